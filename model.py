@@ -1,0 +1,205 @@
+"""A GPT-2-style decoder-only transformer for character-level language modelling.
+
+This module is only the model: it knows nothing of ranks, devices, files or Hydra.
+
+    >>> from model import GPT, GPTConfig
+    >>> gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=65, block_size=64))
+    >>> logits, loss = gpt(idx, targets)          # idx, targets: (batch, time) int64
+    >>> text_ids = gpt.generate(prompt_ids, max_new_tokens=100, temperature=0.8, top_k=40)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from errors import UsageError
+
+
+@dataclass
+class GPTConfig:
+    """Shape of the network. `vocab_size` and `block_size` come from the data and are filled in by main.py."""
+
+    n_layer: int = 6  # number of transformer blocks
+    n_head: int = 6  # attention heads per block; must divide n_embd
+    n_embd: int = 384  # width of the residual stream
+    dropout: float = 0.2  # dropout probability on attention weights, residual branches and embeddings
+    bias: bool = False  # use biases in Linear and LayerNorm layers (GPT-2 did; without is slightly faster and as good)
+    vocab_size: Optional[int] = None  # number of distinct characters; set from the data, leave null
+    block_size: Optional[int] = None  # longest context in characters; set from data_config.block_size, leave null
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd"):
+            if getattr(self, name) <= 0:
+                raise UsageError(f"gpt_config.{name} must be positive, got {getattr(self, name)}")
+        if self.n_embd % self.n_head != 0:
+            raise UsageError(
+                f"gpt_config.n_embd ({self.n_embd}) must be divisible by gpt_config.n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise UsageError(f"gpt_config.dropout must be in [0, 1), got {self.dropout}")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where position t only attends to positions <= t."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, width = x.shape
+        q, k, v = self.c_attn(x).split(width, dim=2)
+        # (B, T, C) -> (B, heads, T, head_dim)
+        q, k, v = (t.view(batch, time, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # is_causal=True builds the mask inside the kernel. (PyTorch's minGPT-DDP example passes a float mask of
+        # ones to nn.MultiheadAttention, which *adds* it to the scores, so nothing is masked and the model sees
+        # the future.)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(batch, time, width)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block, as in GPT-2."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if not cfg.vocab_size or not cfg.block_size:
+            raise ValueError("GPTConfig.vocab_size and block_size must be set from the data before building GPT")
+        self.config = cfg
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                drop=nn.Dropout(cfg.dropout),
+                h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+            )
+        )
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        # Weight tying (as GPT-2): the output projection shares the token embedding matrix.
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) so the residual stream's variance does not
+        # grow with depth (two residual additions per block).
+        for name, param in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, exclude_position_embedding: bool = False) -> int:
+        """Parameter count (the tied embedding counted once)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_position_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def forward(
+        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Logits for every position, and the mean cross-entropy against `targets` when given."""
+        _, time = idx.shape
+        if time > self.config.block_size:
+            raise ValueError(f"sequence length {time} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(time, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        if targets is None:
+            return logits, None
+        # The loss is computed in fp32 even under autocast: log-softmax over the vocabulary is where low
+        # precision hurts most.
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW parameter groups: decay the matrices (linear weights, embeddings), not biases or LayerNorm gains."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        return [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> torch.Tensor:
+        """Extend `idx` (batch, time) by `max_new_tokens` sampled tokens; call in eval() mode.
+
+        temperature < 1 sharpens the distribution, > 1 flattens it; top_k keeps only the k likeliest tokens.
+        Pass a seeded `generator` for a reproducible sample.
+        """
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size :]
+            logits, _ = self(context)
+            logits = logits[:, -1, :].float() / temperature
+            if top_k is not None:
+                kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth_best, float("-inf"))
+            probs = F.softmax(logits, dim=-1)
+            next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+            idx = torch.cat((idx, next_id), dim=1)
+        return idx
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 per parameter (forward + backward), plus the attention score/value matmuls.
+
+        Follows the PaLM appendix B accounting: 6N + 12 * n_layer * n_embd * block_size.
+        """
+        cfg = self.config
+        return 6 * self.num_params(exclude_position_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
