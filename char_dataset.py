@@ -1,0 +1,152 @@
+"""Character-level data: read UTF-8 text through fsspec, build a vocabulary, serve (x, y) windows.
+
+    >>> corpus = CharCorpus.load(DataConfig(path="data/input.txt", block_size=128))
+    >>> train, val = corpus.train_dataset(), corpus.val_dataset()
+    >>> x, y = train[0]            # two int64 views of the encoded text, y shifted by one character
+
+The text is split *before* windows are cut: the first `train_split` of the characters train, the rest validate,
+so no validation window shares a character with a training window. Knows nothing of ranks or models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import fsspec
+import torch
+from torch.utils.data import Dataset
+
+from errors import UsageError
+
+PROJECT_DIR = Path(__file__).resolve().parent
+
+
+@dataclass
+class DataConfig:
+    """Where the text is and how it is cut into training windows."""
+
+    path: str = "data/input.txt"  # UTF-8 text file: a local path (relative = to the project) or an fsspec URL
+    block_size: int = 256  # characters of context per training window
+    train_split: float = 0.9  # fraction of the text (from the start) used for training; the rest validates
+    truncate: float = 1.0  # fraction of the text to use at all, from the start (1.0 = everything)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise UsageError(f"data_config.block_size must be positive, got {self.block_size}")
+        if not 0.0 < self.train_split < 1.0:
+            raise UsageError(f"data_config.train_split must be in (0, 1), got {self.train_split}")
+        if not 0.0 < self.truncate <= 1.0:
+            raise UsageError(f"data_config.truncate must be in (0, 1], got {self.truncate}")
+
+
+def resolve_path(path: str) -> str:
+    """A URL stays as it is; a relative local path is taken relative to the project, not the cwd."""
+    if "://" in path:
+        return path
+    local = Path(path).expanduser()
+    return str(local if local.is_absolute() else PROJECT_DIR / local)
+
+
+def read_text(path: str) -> str:
+    """Read a whole UTF-8 text file from any fsspec location, with user-readable errors."""
+    url = resolve_path(path)
+    try:
+        with fsspec.open(url, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise UsageError(f"data file not found: {url}") from None
+    except (IsADirectoryError, PermissionError, OSError, ValueError, ImportError) as e:
+        raise UsageError(f"cannot read data file {url}: {type(e).__name__}: {e}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"data file {url} is not UTF-8 text (invalid byte at offset {e.start})") from None
+
+
+class CharVocab:
+    """Sorted set of characters <-> integer ids. Stored in snapshots as a plain string."""
+
+    def __init__(self, chars: Sequence[str]) -> None:
+        self.chars = "".join(sorted(set(chars)))
+        self._index = {ch: i for i, ch in enumerate(self.chars)}
+
+    def __len__(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> torch.Tensor:
+        unknown = sorted(set(text) - self._index.keys())
+        if unknown:
+            raise UsageError(f"characters not in the vocabulary: {''.join(unknown)!r}")
+        return torch.tensor([self._index[ch] for ch in text], dtype=torch.long)
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return "".join(self.chars[i] for i in ids)
+
+
+class CharDataset(Dataset):
+    """Windows of `block_size + 1` consecutive characters of one encoded split, starting every `stride` characters.
+
+    Item i is `(data[s : s + block_size], data[s + 1 : s + block_size + 1])` with `s = i * stride`, two views of the
+    same tensor. Training uses stride 1 (every position); evaluation uses stride `block_size`, so every character
+    is predicted exactly once.
+    `__getitems__` lets a DataLoader fetch a whole batch with one indexing operation instead of per-sample
+    Python work and collation.
+    """
+
+    def __init__(self, data: torch.Tensor, block_size: int, stride: int = 1) -> None:
+        if data.numel() < block_size + 1:
+            raise ValueError(f"{data.numel()} characters cannot make a window of {block_size + 1}")
+        self.data = data
+        self.block_size = block_size
+        self.stride = stride
+        self._offsets = torch.arange(block_size + 1)
+
+    def __len__(self) -> int:
+        return (self.data.numel() - self.block_size - 1) // self.stride + 1
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"window {i} out of range for {len(self)} windows")
+        start = i * self.stride
+        window = self.data[start : start + self.block_size + 1]
+        return window[:-1], window[1:]
+
+    def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.as_tensor(indices, dtype=torch.long) * self.stride
+        windows = self.data[starts[:, None] + self._offsets]  # (batch, block_size + 1), one gather
+        return windows[:, :-1], windows[:, 1:]
+
+
+class CharCorpus:
+    """The encoded text, its vocabulary, and the contiguous train/validation split."""
+
+    def __init__(self, text: str, cfg: DataConfig, source: str = "<text>") -> None:
+        text = text[: int(len(text) * cfg.truncate)]
+        if not text:
+            raise UsageError(f"data file {source} is empty")
+        self.cfg = cfg
+        self.vocab = CharVocab(text)
+        self.data = self.vocab.encode(text)
+        self.n_train = int(len(text) * cfg.train_split)
+        need = cfg.block_size + 1
+        for split, n in (("training", self.n_train), ("validation", len(text) - self.n_train)):
+            if n < need:
+                raise UsageError(
+                    f"data file {source} is too short: the {split} split has {n} characters but "
+                    f"block_size + 1 = {need} are needed (use more text, a smaller block_size or another train_split)"
+                )
+
+    @classmethod
+    def load(cls, cfg: DataConfig) -> "CharCorpus":
+        return cls(read_text(cfg.path), cfg, source=resolve_path(cfg.path))
+
+    def train_dataset(self) -> CharDataset:
+        return CharDataset(self.data[: self.n_train], self.cfg.block_size)
+
+    def val_dataset(self) -> CharDataset:
+        """Non-overlapping windows: each validation character is a target exactly once."""
+        return CharDataset(self.data[self.n_train :], self.cfg.block_size, stride=self.cfg.block_size)
