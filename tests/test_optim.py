@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from errors import UsageError
+from model import GPT, GPTConfig
+from optim import OptimizerConfig, build_optimizer, learning_rate
+
+
+def test_schedule_warms_up_then_decays_to_floor():
+    cfg = OptimizerConfig(learning_rate=1e-3, warmup_steps=10, min_lr=1e-4)
+    lrs = [learning_rate(s, cfg, total_steps=100) for s in range(120)]
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:11]))  # rising during warmup
+    assert lrs[10] == pytest.approx(1e-3)  # peak right after warmup
+    assert all(a >= b for a, b in zip(lrs[10:100], lrs[11:101]))  # non-increasing afterwards
+    assert lrs[55] == pytest.approx(1e-4 + 0.5 * 9e-4)  # cosine midpoint
+    assert lrs[100] == lrs[119] == pytest.approx(1e-4)
+
+
+def test_explicit_decay_steps():
+    cfg = OptimizerConfig(learning_rate=1e-3, warmup_steps=0, decay_steps=50, min_lr=0.0)
+    assert learning_rate(50, cfg, total_steps=1000) == 0.0
+    assert learning_rate(25, cfg, total_steps=1000) == pytest.approx(5e-4)
+
+
+def test_optimizer_groups_and_foreach_on_cpu():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, vocab_size=10, block_size=4))
+    opt = build_optimizer(gpt, OptimizerConfig(weight_decay=0.1, beta2=0.95), fused=False)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
+    assert opt.defaults["betas"] == (0.9, 0.95)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(learning_rate=0.0), "learning_rate"), (dict(learning_rate=-1.0), "learning_rate"),
+     (dict(weight_decay=-0.1), "weight_decay"), (dict(beta2=1.0), "beta2"),
+     (dict(min_lr=1.0), "min_lr"), (dict(warmup_steps=-1), "warmup_steps")],
+)
+def test_config_errors(kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        OptimizerConfig(**kwargs)
