@@ -1,0 +1,131 @@
+"""The trainer in one process (no process group): steps, accumulation, evaluation, precision, sampling."""
+
+import json
+
+import pytest
+import torch
+
+from char_dataset import CharCorpus, DataConfig
+from errors import UsageError
+from model import GPT, GPTConfig
+from optim import OptimizerConfig, build_optimizer, learning_rate
+from trainer import DistContext, ResumableDistributedSampler, Trainer, TrainerConfig, resolve_precision
+
+TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(400))
+
+
+def make_trainer(tmp_path=None, dropout=0.0, **trainer_kwargs) -> Trainer:
+    corpus = CharCorpus(TEXT, DataConfig(block_size=16))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, dropout=dropout, vocab_size=len(corpus.vocab),
+                          block_size=16))
+    opt_cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3)
+    cfg = TrainerConfig(**{"mixed_precision": "fp32", "log_every_steps": 5, **trainer_kwargs})
+    return Trainer(cfg, model, build_optimizer(model, opt_cfg, fused=False),
+                   lambda step, total: learning_rate(step, opt_cfg, total),
+                   corpus.train_dataset(), corpus.val_dataset(), DistContext(), tmp_path)
+
+
+def test_fit_writes_metrics_and_loss_falls(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=30, batch_size=16, eval_every_steps=10)
+    trainer.fit()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "train_loss" in r]
+    val_rows = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in train_rows] == [5, 10, 15, 20, 25, 30]
+    assert [r["step"] for r in val_rows] == [10, 20, 30]
+    assert train_rows[-1]["train_loss"] < train_rows[0]["train_loss"] - 0.5
+    assert all(r["tokens_per_s"] > 0 and "lr" in r and "epoch" in r for r in train_rows)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["replicas_identical"]
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    """batch 4 x 2 micro-steps must give (nearly) the update of batch 8 x 1: same samples, same mean loss."""
+    big = make_trainer(max_steps=1, batch_size=8, grad_accum_steps=1)
+    small = make_trainer(max_steps=1, batch_size=4, grad_accum_steps=2)
+    big.fit()
+    small.fit()
+    for (name, a), b in zip(big.raw_model.named_parameters(), small.raw_model.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_epoch_boundaries_and_max_epochs():
+    trainer = make_trainer(max_epochs=2, batch_size=512, eval_every_steps=0)
+    assert trainer.steps_per_epoch == len(trainer.sampler) // 512
+    trainer.fit()
+    assert trainer.step == 2 * trainer.steps_per_epoch and trainer.epoch == 2
+
+
+def test_evaluation_is_deterministic_and_in_eval_mode():
+    trainer = make_trainer(max_steps=1, batch_size=8, dropout=0.3)
+    first, second = trainer._evaluate(), trainer._evaluate()
+    assert first == second  # dropout off during evaluation
+    assert trainer.eval_model.training  # and back in training mode afterwards
+
+
+def test_dropout_masks_depend_on_step_and_rank():
+    trainer = make_trainer(max_steps=1, batch_size=8)
+    trainer._seed_dropout()
+    a = torch.rand(4)
+    trainer._seed_dropout()
+    assert torch.equal(a, torch.rand(4))  # a pure function of (seed, step, rank)
+    trainer.step += 1
+    trainer._seed_dropout()
+    assert not torch.equal(a, torch.rand(4))
+    trainer.step -= 1
+    trainer.ctx = DistContext(rank=1, world_size=2)
+    trainer._seed_dropout()
+    assert not torch.equal(a, torch.rand(4))
+
+
+def test_fp16_on_cpu_uses_a_grad_scaler(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=5, batch_size=8, mixed_precision="fp16", eval_every_steps=0)
+    assert trainer.scaler.is_enabled()
+    trainer.fit()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "loss_scale" in rows[0]
+
+
+def test_bf16_on_cpu_trains():
+    trainer = make_trainer(max_steps=3, batch_size=8, mixed_precision="bf16", eval_every_steps=0)
+    assert not trainer.scaler.is_enabled()
+    trainer.fit()
+    assert trainer.last_val_loss is not None and trainer.last_val_loss < 10
+
+
+def test_precision_resolution_on_cpu():
+    cpu = torch.device("cpu")
+    assert resolve_precision("auto", cpu) == torch.float32
+    assert resolve_precision("bf16", cpu) == torch.bfloat16
+    assert resolve_precision("fp16", cpu) == torch.float16
+
+
+def test_too_few_windows_for_one_step():
+    with pytest.raises(UsageError, match="needs batch_size"):
+        make_trainer(max_steps=1, batch_size=100_000)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("start", [0, 7, 50])
+def test_sampler_start_position_is_world_size_independent(world_size, start):
+    dataset = list(range(101))
+    full = ResumableDistributedSampler(dataset, 1, 0, seed=5)
+    full.set_epoch(3)
+    order = list(full)
+    ranks = [ResumableDistributedSampler(dataset, world_size, r, seed=5) for r in range(world_size)]
+    for sampler in ranks:
+        sampler.set_epoch(3, start=start)
+    per_rank = [list(s) for s in ranks]
+    assert len({len(p) for p in per_rank}) == 1
+    interleaved = [p[i] for i in range(len(per_rank[0])) for p in per_rank]
+    remaining = order[start:]
+    assert interleaved[: len(remaining)] == remaining  # nothing skipped, nothing repeated (before padding)
+
+
+def test_sampler_order_changes_with_epoch():
+    sampler = ResumableDistributedSampler(list(range(50)), 1, 0, seed=5)
+    sampler.set_epoch(0)
+    first = list(sampler)
+    sampler.set_epoch(1)
+    assert list(sampler) != first and sorted(first) == list(range(50))
