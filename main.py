@@ -1,0 +1,269 @@
+"""Train a character-level GPT with DistributedDataParallel. The only module that knows Hydra.
+
+    torchrun --standalone --nproc_per_node=4 main.py                       # a 4-GPU node
+    torchrun --standalone --nproc_per_node=2 main.py preset=cpu            # a CPU machine, 2 processes
+    python main.py preset=cpu trainer_config.max_steps=200                 # one process, no torchrun
+    python main.py gpt_config.n_layer=4 trainer_config.max_epochs=20       # any setting, Hydra style
+
+Steps: compose gpt2_train_cfg.yaml with the overrides (checked against the dataclass schemas below, before any
+process group exists) -> read the text -> set up the process group -> build GPT and AdamW -> Trainer.fit().
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+import torch
+import torch.distributed as dist
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from char_dataset import CharCorpus, DataConfig, resolve_path
+from errors import UsageError
+from model import GPT, GPTConfig
+from optim import OptimizerConfig, build_optimizer, learning_rate
+from snapshot import SnapshotStore
+from trainer import DistContext, Trainer, TrainerConfig
+
+PROJECT_DIR = Path(__file__).resolve().parent
+CONFIG_NAME = "gpt2_train_cfg"
+log = logging.getLogger("mingpt")
+
+
+@dataclass
+class TrainConfig:
+    """The whole job; each section goes to the component that owns it."""
+
+    data_config: DataConfig = field(default_factory=DataConfig)
+    gpt_config: GPTConfig = field(default_factory=GPTConfig)
+    optimizer_config: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer_config: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# Registered under a name other than the YAML's, and listed first in the YAML's defaults: every key and value in
+# the YAML and on the command line is then checked against these dataclasses.
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def _global_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+# Every rank runs @hydra.main, but only global rank 0 may write Hydra's .hydra/ folder (config, overrides).
+OmegaConf.register_new_resolver("rank_zero_only", lambda value: value if _global_rank() == 0 else None)
+
+
+# ------------------------------------------------------------------------------------------------------- config
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+
+
+def precheck_overrides(overrides: list[str]) -> None:
+    """Compose and validate the config once with Hydra's compose API, so a bad override fails with one line.
+
+    Hydra's own report of the same error spans several lines plus a hint about HYDRA_FULL_ERROR. Command-line
+    flags (--help, --cfg, -m ...) are left to Hydra itself.
+    """
+    if any(arg.startswith("-") for arg in overrides):
+        return
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=str(PROJECT_DIR), version_base="1.3"):
+            composed = compose(config_name=CONFIG_NAME, overrides=overrides)
+    except Exception as e:  # Hydra raises several exception types; all are user errors here
+        cause = e.__cause__ or e.__context__
+        detail = f" {_first_line(cause)}" if cause is not None and _first_line(cause) != _first_line(e) else ""
+        raise UsageError(f"{_first_line(e)}{detail}") from None
+    to_dataclasses(composed)  # value checks too, before Hydra creates the run directory
+
+
+def _check_known_keys(section: DictConfig, schema: type, prefix: str) -> None:
+    """Hydra accepts `+section.new_key=...` even against a schema; a key nothing reads is a mistake."""
+    allowed = {f.name for f in dataclasses.fields(schema)}
+    unknown = sorted(set(section.keys()) - allowed)
+    if unknown:
+        raise UsageError(f"unknown config key {prefix}.{unknown[0]} (known keys: {', '.join(sorted(allowed))})")
+
+
+def to_dataclasses(cfg: DictConfig) -> TrainConfig:
+    """The composed config as plain validated dataclasses (each `__post_init__` checks its own ranges)."""
+    sections = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(cfg.keys()) - sections.keys())
+    if unknown:
+        raise UsageError(f"unknown config section {unknown[0]!r} (known: {', '.join(sections)})")
+    schemas = {f.name: type(getattr(TrainConfig(), f.name)) for f in dataclasses.fields(TrainConfig)}
+    built: dict[str, Any] = {}
+    for name, schema in schemas.items():
+        _check_known_keys(cfg[name], schema, name)
+        built[name] = schema(**OmegaConf.to_container(cfg[name], resolve=True))
+    for derived in ("vocab_size", "block_size"):
+        if getattr(built["gpt_config"], derived) is not None:
+            raise UsageError(f"gpt_config.{derived} is set from the data; leave it null")
+    return TrainConfig(**built)
+
+
+def redacted(config: dict) -> dict:
+    """The config with every value of snapshot_storage_options hidden: it may hold credentials."""
+    config = {section: dict(values) for section, values in config.items()}
+    options = config["trainer_config"].get("snapshot_storage_options") or {}
+    config["trainer_config"]["snapshot_storage_options"] = {key: "***" for key in options}
+    return config
+
+
+def _secret_strings(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _secret_strings(v)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _secret_strings(v)]
+    return [str(value)] if value is not None and len(str(value)) >= 4 else []
+
+
+def scrub_hydra_output(run_dir: Path, cfg: DictConfig) -> None:
+    """Hydra saves the config and the overrides in <run dir>/.hydra; mask any storage option value there.
+
+    Credentials belong in the environment (AWS_ACCESS_KEY_ID, ...), but one passed as an override must still not
+    end up on disk."""
+    node = cfg.trainer_config.snapshot_storage_options
+    options = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    secrets = sorted(set(_secret_strings(options)), key=len, reverse=True)
+    hydra_dir = run_dir / ".hydra"
+    if not secrets or not hydra_dir.is_dir():
+        return
+    for path in hydra_dir.glob("*.yaml"):
+        text = path.read_text(encoding="utf-8")
+        for secret in secrets:
+            text = text.replace(secret, "***")
+        path.write_text(text, encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------------------------- processes
+def setup_distributed() -> DistContext:
+    """Join the process group torchrun describes in the environment; without RANK, run as a single process."""
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        return DistContext(device=torch.device("cuda:0" if cuda else "cpu"))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if cuda:
+        device = torch.device(f"cuda:{local_rank}")
+        torch.cuda.set_device(device)  # before init_process_group, so NCCL binds this process to its own GPU
+        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=10))
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+    return DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def teardown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def setup_logging(rank: int, run_dir: Optional[Path]) -> None:
+    """Rank 0 logs INFO to stdout and to train.log in the run directory; other ranks only warnings, prefixed."""
+    root = logging.getLogger()
+    root.handlers.clear()
+    if rank == 0:
+        fmt = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")
+        handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
+        if run_dir is not None:
+            handlers.append(logging.FileHandler(run_dir / "train.log", encoding="utf-8"))
+        level = logging.INFO
+    else:
+        fmt = logging.Formatter(f"[rank {rank}] %(levelname)s %(message)s")
+        handlers = [logging.StreamHandler(sys.stderr)]
+        level = logging.WARNING
+    for handler in handlers:
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
+def configure_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        # TF32 tensor cores for fp32 matmuls: ~8x the throughput, ample precision for training.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+# ------------------------------------------------------------------------------------------------------- the job
+def train(cfg: TrainConfig, run_dir: Path) -> None:
+    corpus = CharCorpus.load(cfg.data_config)  # bad data fails here, before any process group
+    ctx = setup_distributed()
+    try:
+        setup_logging(ctx.rank, run_dir)
+        configure_device(ctx.device)
+        log.info("run directory: %s", run_dir)
+        log.info("data: %s characters, vocabulary of %d", f"{corpus.data.numel():,}", len(corpus.vocab))
+        gpt_cfg = dataclasses.replace(
+            cfg.gpt_config, vocab_size=len(corpus.vocab), block_size=cfg.data_config.block_size
+        )
+        torch.manual_seed(cfg.trainer_config.seed)  # identical initial weights on every rank
+        model = GPT(gpt_cfg).to(ctx.device)
+        log.info("model: %s parameters", f"{model.num_params():,}")
+        optimizer = build_optimizer(model, cfg.optimizer_config, fused=ctx.device.type == "cuda")
+        schedule = functools.partial(_lr_at, opt_cfg=cfg.optimizer_config)
+        tc = cfg.trainer_config
+        store = SnapshotStore(resolve_path(tc.snapshot_path), tc.snapshot_storage_options)
+        metadata = {
+            "model_config": dataclasses.asdict(gpt_cfg),
+            "vocab": corpus.vocab.chars,
+            "train_config": redacted(dataclasses.asdict(cfg)),
+        }
+        trainer = Trainer(
+            tc, model, optimizer, schedule, corpus.train_dataset(), corpus.val_dataset(), ctx, run_dir,
+            snapshots=store, snapshot_metadata=metadata,
+        )  # fmt: skip
+        trainer.fit()
+        if ctx.distributed:
+            # Leave together: a rank that tears down its gloo connections while a peer still finishes its last
+            # collective can make that peer's gloo threads abort. (Not on the error path: a peer may be gone.)
+            dist.barrier()
+    finally:
+        teardown_distributed()
+
+
+def _lr_at(step: int, total_steps: int, opt_cfg: OptimizerConfig) -> float:
+    return learning_rate(step, opt_cfg, total_steps)
+
+
+def _report_usage_error(error: UsageError) -> None:
+    rank = _global_rank()
+    prefix = f"[rank {rank}] " if rank else ""
+    print(f"{prefix}error: {error}", file=sys.stderr, flush=True)
+
+
+@hydra.main(version_base="1.3", config_path=".", config_name=CONFIG_NAME)
+def hydra_main(cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if _global_rank() == 0:
+        scrub_hydra_output(run_dir, cfg)
+    try:
+        train(to_dataclasses(cfg), run_dir)
+    except UsageError as e:
+        _report_usage_error(e)
+        sys.exit(2)
+
+
+def cli() -> None:
+    try:
+        precheck_overrides(sys.argv[1:])
+    except UsageError as e:
+        _report_usage_error(e)
+        sys.exit(2)
+    hydra_main()
+
+
+if __name__ == "__main__":
+    cli()

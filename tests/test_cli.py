@@ -1,0 +1,88 @@
+"""End to end: the real CLI as a subprocess, under torchrun (2 processes, gloo) and without it."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, read_metrics, run_cli
+
+
+def assert_trained(run_dir: Path, world_size: int) -> list[dict]:
+    rows = read_metrics(run_dir)
+    losses = [r["train_loss"] for r in rows if "train_loss" in r]
+    assert len(losses) == 8, rows
+    assert losses[-1] < losses[0] - 0.5, f"training loss did not fall: {losses}"
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 2 and val[-1] < val[0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == world_size and summary["steps"] == 40
+    assert len(summary["rank_weights_sha256"]) == world_size
+    assert len(set(summary["rank_weights_sha256"])) == 1 and summary["replicas_identical"]
+    return rows
+
+
+def test_torchrun_two_processes(tmp_path):
+    result = run_cli(TINY, tmp_path, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # One run directory for both ranks (Hydra would otherwise compute one per process).
+    run_dirs = list((tmp_path / "outputs").iterdir())
+    assert len(run_dirs) == 1, run_dirs
+    run_dir = run_dirs[0]
+    assert_trained(run_dir, world_size=2)
+    assert (run_dir / ".hydra" / "config.yaml").exists() and (run_dir / "train.log").exists()
+    # Only rank 0 logs progress.
+    assert result.stdout.count("val loss") == 2
+    assert "[rank 1]" not in result.stdout
+
+
+def test_single_process_without_torchrun(tmp_path, run_dir):
+    result = run_cli([*TINY, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_trained(run_dir, world_size=1)
+
+
+def test_misspelled_override_is_one_line(tmp_path):
+    result = run_cli(["trainer_config.max_epoch=3"], tmp_path)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "max_epoch" in lines[0] and "TrainerConfig" in lines[0]
+    assert not (tmp_path / "outputs").exists()  # failed before Hydra made a run directory
+
+
+def _write(tmp_path: Path, name: str, content: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(content)
+    return str(path)
+
+
+BAD_INPUTS = {
+    "missing data file": (lambda d: ["data_config.path=/no/such/file.txt"], "data file not found"),
+    "empty data file": (lambda d: [f"data_config.path={_write(d, 'e.txt', b'')}"], "is empty"),
+    "text shorter than block_size + 1": (
+        lambda d: [f"data_config.path={_write(d, 's.txt', b'too short')}", "data_config.block_size=64"],
+        "too short",
+    ),
+    "non-UTF-8 bytes": (
+        lambda d: [f"data_config.path={_write(d, 'b.txt', bytes(range(256)) * 10)}"], "not UTF-8"),
+    "n_embd not divisible by n_head": (lambda d: ["gpt_config.n_embd=100", "gpt_config.n_head=3"], "divisible"),
+    "zero batch size": (lambda d: ["trainer_config.batch_size=0"], "batch_size must be positive"),
+    "negative batch size": (lambda d: ["trainer_config.batch_size=-4"], "batch_size must be positive"),
+    "zero learning rate": (lambda d: ["optimizer_config.learning_rate=0"], "learning_rate must be positive"),
+    "negative learning rate": (lambda d: ["optimizer_config.learning_rate=-1e-3"], "learning_rate must be positive"),
+    "train_split of 1": (lambda d: ["data_config.train_split=1.0"], "train_split must be in (0, 1)"),
+    "train_split of 0": (lambda d: ["data_config.train_split=0"], "train_split must be in (0, 1)"),
+    "wrong type": (lambda d: ["gpt_config.n_layer=four"], "could not be converted to Integer"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_one_clear_line(tmp_path, run_dir, case):
+    make_args, message = BAD_INPUTS[case]
+    result = run_cli([*make_args(tmp_path), f"hydra.run.dir={run_dir}"], tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+    assert "Traceback" not in result.stdout + result.stderr

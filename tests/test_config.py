@@ -1,0 +1,104 @@
+"""The YAML + schema, composed with Hydra's compose API exactly as main.py composes it."""
+
+import dataclasses
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+import main
+from errors import UsageError
+
+
+def compose_cfg(overrides: list[str] | None = None):
+    with initialize_config_dir(config_dir=str(main.PROJECT_DIR), version_base="1.3"):
+        return compose(config_name=main.CONFIG_NAME, overrides=overrides or [])
+
+
+def test_defaults_compose_to_valid_dataclasses():
+    cfg = main.to_dataclasses(compose_cfg())
+    assert cfg.data_config.path == "data/input.txt"
+    assert cfg.trainer_config.max_steps is None
+    assert cfg.trainer_config.mixed_precision == "auto"
+    assert cfg.gpt_config.vocab_size is None
+
+
+def test_every_schema_field_is_in_the_yaml_with_a_description():
+    yaml_text = (main.PROJECT_DIR / "gpt2_train_cfg.yaml").read_text()
+    lines = {line.strip().split(":")[0]: line for line in yaml_text.splitlines() if ":" in line}
+    for section in dataclasses.fields(main.TrainConfig):
+        for field in dataclasses.fields(type(getattr(main.TrainConfig(), section.name))):
+            assert field.name in lines, f"{section.name}.{field.name} missing from the YAML"
+            assert "#" in lines[field.name], f"{section.name}.{field.name} has no description in the YAML"
+
+
+def test_required_keys_exist():
+    cfg = compose_cfg()
+    for key in [
+        "data_config.path", "data_config.block_size", "data_config.train_split", "data_config.truncate",
+        "gpt_config.n_layer", "gpt_config.n_head", "gpt_config.n_embd", "gpt_config.dropout",
+        "optimizer_config.learning_rate", "optimizer_config.weight_decay", "optimizer_config.warmup_steps",
+        "optimizer_config.decay_steps", "optimizer_config.min_lr",
+        "trainer_config.max_epochs", "trainer_config.max_steps", "trainer_config.batch_size",
+        "trainer_config.grad_accum_steps", "trainer_config.grad_norm_clip", "trainer_config.mixed_precision",
+        "trainer_config.compile", "trainer_config.seed", "trainer_config.eval_every_steps",
+        "trainer_config.log_every_steps", "trainer_config.data_loader_workers", "trainer_config.snapshot_path",
+        "trainer_config.save_every",
+    ]:  # fmt: skip
+        section, name = key.split(".")
+        assert name in cfg[section], key
+
+
+def test_overrides_apply_with_types():
+    cfg = main.to_dataclasses(compose_cfg(["trainer_config.max_epochs=20", "gpt_config.n_layer=4",
+                                           "trainer_config.max_steps=100", "optimizer_config.learning_rate=5e-4"]))
+    assert cfg.trainer_config.max_epochs == 20 and cfg.gpt_config.n_layer == 4
+    assert cfg.trainer_config.max_steps == 100 and cfg.optimizer_config.learning_rate == 5e-4
+
+
+def test_cpu_preset():
+    cfg = main.to_dataclasses(compose_cfg(["preset=cpu"]))
+    assert cfg.gpt_config.n_embd == 128 and cfg.trainer_config.mixed_precision == "fp32"
+    # command-line overrides still win over the preset
+    cfg = main.to_dataclasses(compose_cfg(["preset=cpu", "trainer_config.max_steps=7"]))
+    assert cfg.trainer_config.max_steps == 7
+
+
+def test_typo_fails_naming_the_key():
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_cfg(["trainer_config.max_epoch=3"])
+    assert "max_epoch" in str(info.value.__cause__)
+
+
+def test_wrong_type_fails():
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_cfg(["trainer_config.batch_size=abc"])
+    assert "could not be converted to Integer" in str(info.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer_config.max_epoch=3"], "Key 'max_epoch' not in 'TrainerConfig'"),
+        (["trainer_config.batch_size=abc"], "could not be converted to Integer"),
+        (["+trainer_config.new_key=1"], "unknown config key trainer_config.new_key"),
+        (["+extra=1"], "unknown config section 'extra'"),
+        (["gpt_config.n_head=5"], "must be divisible by gpt_config.n_head"),
+        (["trainer_config.batch_size=0"], "batch_size must be positive"),
+        (["optimizer_config.learning_rate=0"], "learning_rate must be positive"),
+        (["data_config.train_split=1.5"], "train_split must be in (0, 1)"),
+        (["trainer_config.mixed_precision=fp8"], "mixed_precision must be one of"),
+        (["gpt_config.vocab_size=10"], "vocab_size is set from the data"),
+        (["preset=nope"], "Could not find 'preset/nope'"),
+    ],
+)
+def test_precheck_gives_one_line(overrides, message):
+    with pytest.raises(UsageError) as info:
+        main.precheck_overrides(overrides)
+    text = str(info.value)
+    assert message in text
+    assert "\n" not in text
+
+
+def test_precheck_leaves_flags_to_hydra():
+    main.precheck_overrides(["--cfg", "job"])  # no exception: Hydra handles its own flags
