@@ -18,10 +18,12 @@ import hashlib
 import json
 import logging
 import math
+import signal
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,9 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
+import snapshot as snapshot_lib
 from errors import UsageError
+from snapshot import SnapshotStore
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +56,14 @@ class TrainerConfig:
     eval_batches: Optional[int] = None  # cap on validation batches per process per evaluation; null = all of them
     log_every_steps: int = 50  # print a line and append a metrics.jsonl row every this many steps
     data_loader_workers: int = 0  # DataLoader worker processes (batches are one tensor gather, 0 is usually best)
-    snapshot_path: str = "snapshots"  # where snapshots go: a local folder (relative = to the project) or fsspec URL
-    save_every: int = 1  # write a snapshot every this many epochs
+    snapshot_path: str = "snapshots/default"  # snapshot folder: local (relative = to the project) or fsspec URL
+    save_every: int = 1  # write a snapshot every this many epochs (and always at the end of training)
+    save_every_steps: Optional[int] = None  # also write one every this many optimizer steps; null = off
+    keep_last: int = 2  # snapshots kept; older ones are deleted once a newer one is complete
+    snapshot_storage_options: Any = None  # extra fsspec options for the snapshot location
 
     def __post_init__(self) -> None:
-        positive = ("max_epochs", "batch_size", "grad_accum_steps", "log_every_steps", "save_every")
+        positive = ("max_epochs", "batch_size", "grad_accum_steps", "log_every_steps", "save_every", "keep_last")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UsageError(f"trainer_config.{name} must be positive, got {getattr(self, name)}")
@@ -64,9 +71,11 @@ class TrainerConfig:
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise UsageError(f"trainer_config.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_batches"):
+        for name in ("max_steps", "eval_batches", "save_every_steps"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise UsageError(f"trainer_config.{name} must be positive or null, got {getattr(self, name)}")
+        if self.snapshot_storage_options is not None and not isinstance(self.snapshot_storage_options, dict):
+            raise UsageError("trainer_config.snapshot_storage_options must be a mapping, e.g. {key: value}, or null")
         if self.mixed_precision not in PRECISIONS:
             raise UsageError(
                 f"trainer_config.mixed_precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}"
@@ -140,17 +149,6 @@ def _batch_as_is(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor
     return batch
 
 
-def weights_sha256(model: nn.Module) -> str:
-    """SHA-256 over the model's tensors in sorted key order, bytes as stored (a fingerprint of the weights)."""
-    digest = hashlib.sha256()
-    state = model.state_dict()
-    for key in sorted(state):
-        tensor = state[key].detach().cpu().contiguous()
-        digest.update(key.encode())
-        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 class MetricsLog:
     """Appends JSON rows to `metrics.jsonl` in the run directory; a no-op on ranks other than 0."""
 
@@ -167,6 +165,9 @@ class MetricsLog:
 
 
 class Trainer:
+    """Runs the epochs. Snapshots go through `snapshots` (a `SnapshotStore`, or None for none); the trainer only
+    decides when to save and what its own state is."""
+
     def __init__(
         self,
         cfg: TrainerConfig,
@@ -177,37 +178,50 @@ class Trainer:
         val_data: Dataset,
         ctx: DistContext,
         run_dir: Optional[Path] = None,
+        snapshots: Optional[SnapshotStore] = None,
+        snapshot_metadata: Optional[dict] = None,
     ) -> None:
         self.cfg = cfg
         self.ctx = ctx
         self.raw_model = model  # unwrapped: what snapshots and the replica check read
         self.optimizer = optimizer
         self.lr_schedule = lr_schedule
+        self.snapshots = snapshots
+        self.snapshot_metadata = snapshot_metadata or {}
         self.amp_dtype = resolve_precision(cfg.mixed_precision, ctx.device)
         # GradScaler only for fp16: bf16 has fp32's exponent range and needs no loss scaling.
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=self.amp_dtype == torch.float16)
         self.eval_model, self.ddp, self.model = self._wrap_model(model)
+        self.n_train = len(train_data)
         self.sampler = ResumableDistributedSampler(train_data, ctx.world_size, ctx.rank, cfg.seed)
         self.train_loader = self._loader(train_data, self.sampler, drop_last=True)
         own_val_windows = range(ctx.rank, len(val_data), ctx.world_size)  # disjoint across ranks, no padding
         self.val_loader = self._loader(val_data, own_val_windows, drop_last=False)
-        self.tokens_per_step = cfg.batch_size * cfg.grad_accum_steps * ctx.world_size * self._block_size(train_data)
-        self.steps_per_epoch = len(self.sampler) // cfg.batch_size // cfg.grad_accum_steps
+        self.block_size = self._block_size(train_data)
+        self.global_batch = cfg.batch_size * cfg.grad_accum_steps * ctx.world_size  # windows per optimizer step
+        self.tokens_per_step = self.global_batch * self.block_size
+        self.steps_per_epoch = self.n_train // self.global_batch
         if self.steps_per_epoch == 0:
             raise UsageError(
                 f"an optimizer step needs batch_size x grad_accum_steps x processes = "
                 f"{cfg.batch_size} x {cfg.grad_accum_steps} x {ctx.world_size} windows, "
-                f"but the training split has only {len(train_data)}"
+                f"but the training split has only {self.n_train}"
             )
-        self.total_steps = self.steps_per_epoch * cfg.max_epochs
-        if cfg.max_steps is not None:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
         self.metrics = MetricsLog(run_dir, enabled=ctx.is_main)
+        # Progress: everything the position in training depends on, saved in snapshots.
         self.step = 0  # optimizer steps done
-        self.epoch = 0
+        self.epoch = 0  # current epoch (= completed epochs)
+        self.epoch_samples = 0  # global samples consumed in the current epoch (world-size independent)
         self.last_val_loss: Optional[float] = None
         self._last_eval_step = -1
+        self._last_saved_step = -1
+        self._batches: Optional[Iterator] = None
+        self._stop_signal: Optional[int] = None
+        self.stopped_early = False
+        self.total_steps = self._total_steps()
         self._reset_window()
+        if self.ddp is not None:
+            self._prime_ddp_buckets(val_data)
 
     # ----------------------------------------------------------------------------------------------- setup
     def _wrap_model(self, model: nn.Module) -> tuple[nn.Module, Optional[DDP], nn.Module]:
@@ -220,6 +234,21 @@ class Trainer:
         # gradient_as_bucket_view=True: gradients live inside the all-reduce buckets (no copy, less memory).
         ddp = DDP(compiled, device_ids=device_ids, forward_sync_buffers=False, gradient_as_bucket_view=True)
         return compiled, ddp, ddp
+
+    def _prime_ddp_buckets(self, dataset: Dataset) -> None:
+        """One throw-away forward/backward before training, in fresh and resumed runs alike.
+
+        DDP rebuilds its gradient buckets after its first backward pass, in the order gradients became ready. If
+        that first pass were a real step, a resumed run (whose first step is a different step) would reduce in a
+        different order than the uninterrupted one, and with 3+ ranks the sums would differ in the last bits.
+        """
+        first_windows = list(range(min(self.cfg.batch_size, len(dataset))))
+        x, y = (t.to(self.ctx.device) for t in dataset.__getitems__(first_windows))
+        with torch.random.fork_rng(devices=[self.ctx.device] if self.ctx.device.type == "cuda" else []):
+            with self._autocast():
+                _, loss = self.model(x, y)
+            loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _loader(self, dataset: Dataset, sampler, drop_last: bool) -> DataLoader:
         # The loader gets its own generator: iter(DataLoader) draws a base seed from it, and would otherwise draw
@@ -242,44 +271,77 @@ class Trainer:
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype != torch.float32)
 
+    def _steps_left_in_epoch(self) -> int:
+        return (self.n_train - self.epoch_samples) // self.global_batch
+
+    def _total_steps(self) -> int:
+        """Steps done + what is left of this epoch + the remaining epochs, capped by max_steps.
+
+        Equals steps_per_epoch * max_epochs for a fresh run; stays right after a resume with another world size.
+        """
+        if self.epoch >= self.cfg.max_epochs:
+            total = self.step
+        else:
+            remaining_epochs = self.cfg.max_epochs - self.epoch - 1
+            total = self.step + self._steps_left_in_epoch() + remaining_epochs * self.steps_per_epoch
+        return total if self.cfg.max_steps is None else min(total, self.cfg.max_steps)
+
     # ----------------------------------------------------------------------------------------------- training
     def fit(self) -> None:
+        self._fit_start = time.perf_counter()
+        self._restore()
         log.info(
-            "training: %d steps (%d per epoch, %d epochs max), %d process(es) on %s, %s, %s tokens per step",
-            self.total_steps, self.steps_per_epoch, self.cfg.max_epochs, self.ctx.world_size,
+            "training: steps %d -> %d (%d per epoch, %d epochs max), %d process(es) on %s, %s, %s tokens per step",
+            self.step, self.total_steps, self.steps_per_epoch, self.cfg.max_epochs, self.ctx.world_size,
             self.ctx.device.type, str(self.amp_dtype).removeprefix("torch."), f"{self.tokens_per_step:,}",
         )  # fmt: skip
-        self._fit_start = time.perf_counter()
-        while self.step < self.total_steps:
-            if self._run_epoch():
-                self.epoch += 1
-        if self._last_eval_step != self.step:
-            self._evaluate()
+        self._reset_window()
+        with self._sigterm_requests_stop():
+            while self.step < self.total_steps:
+                if self._batches is None:
+                    self._start_epoch()
+                self._train_step()
+                self._after_step()
+                if self._stop_agreed():
+                    self._stop_early()
+                    break
+        if not self.stopped_early:
+            if self._last_eval_step != self.step:
+                self._evaluate()
+            self._save("end of training")
         self._finish()
 
-    def _run_epoch(self) -> bool:
-        """Train until the epoch ends or the run's last step; True when the epoch was completed."""
-        self.sampler.set_epoch(self.epoch)
-        batches = iter(self.train_loader)
-        steps_this_epoch = min(self.steps_per_epoch, self.total_steps - self.step)
-        for _ in range(steps_this_epoch):
-            self._train_step(batches)
-            if self.step % self.cfg.log_every_steps == 0 or self.step == self.total_steps:
-                self._log_train()
-            if self.cfg.eval_every_steps and self.step % self.cfg.eval_every_steps == 0:
-                self._evaluate()
-        completed = steps_this_epoch == self.steps_per_epoch
-        if completed and self._last_eval_step != self.step:
-            self._evaluate()  # a complete epoch ends with an evaluation
-        return completed
+    def _start_epoch(self) -> None:
+        self.sampler.set_epoch(self.epoch, start=self.epoch_samples)  # mid-epoch resume starts at the next batch
+        self._batches = iter(self.train_loader)
 
-    def _train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _after_step(self) -> None:
+        if self.step % self.cfg.log_every_steps == 0 or self.step == self.total_steps:
+            self._log_train()
+        last_step = self.step == self.total_steps
+        if last_step or (self.cfg.eval_every_steps and self.step % self.cfg.eval_every_steps == 0):
+            self._evaluate()  # the last step is evaluated before any snapshot of it is written
+        if self._steps_left_in_epoch() == 0:
+            self._end_epoch()
+        if self.cfg.save_every_steps and self.step % self.cfg.save_every_steps == 0:
+            self._save(f"every {self.cfg.save_every_steps} steps")
+
+    def _end_epoch(self) -> None:
+        if self._last_eval_step != self.step:
+            self._evaluate()  # a complete epoch ends with an evaluation
+        self.epoch += 1
+        self.epoch_samples = 0
+        self._batches = None
+        if self.epoch % self.cfg.save_every == 0:
+            self._save(f"end of epoch {self.epoch - 1}")
+
+    def _train_step(self) -> None:
         lr = self.lr_schedule(self.step, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self._seed_dropout()
         for micro_step in range(self.cfg.grad_accum_steps):
-            x, y = (t.to(self.ctx.device, non_blocking=True) for t in next(batches))
+            x, y = (t.to(self.ctx.device, non_blocking=True) for t in next(self._batches))
             last = micro_step == self.cfg.grad_accum_steps - 1
             # Only the last micro-batch all-reduces; the others accumulate gradients locally.
             with self.ddp.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext():
@@ -295,6 +357,7 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.epoch_samples += self.global_batch
         self._last_lr = lr
 
     def _seed_dropout(self) -> None:
@@ -308,6 +371,134 @@ class Trainer:
         torch.default_generator.manual_seed(seed)
         if self.ctx.device.type == "cuda":
             torch.cuda.default_generators[self.ctx.device.index].manual_seed(seed)
+
+    # ----------------------------------------------------------------------------------------------- stopping
+    @contextlib.contextmanager
+    def _sigterm_requests_stop(self) -> Iterator[None]:
+        """SIGTERM (sent by torchrun, SLURM and cloud schedulers before a kill) ends training after the current
+        step with a snapshot, instead of killing the process mid-step."""
+
+        def request_stop(signum: int, _frame) -> None:
+            self._stop_signal = signum
+
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGTERM, request_stop)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _stop_agreed(self) -> bool:
+        """All ranks must stop after the same step, or the ones left would wait forever in the next all-reduce."""
+        requested = torch.tensor([0 if self._stop_signal is None else 1], dtype=torch.int32)
+        if self.ctx.distributed:
+            dist.all_reduce(requested, op=dist.ReduceOp.MAX, group=self._control_group())
+        return bool(requested.item())
+
+    def _control_group(self) -> Optional[dist.ProcessGroup]:
+        """A CPU (gloo) group for the stop flag, so that agreeing on it never waits for the GPU."""
+        if not hasattr(self, "_gloo_group"):
+            self._gloo_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        return self._gloo_group
+
+    def _stop_early(self) -> None:
+        self.stopped_early = True
+        log.warning("stop requested (SIGTERM) after step %d: saving a snapshot and exiting", self.step)
+        self._save("stop requested")
+
+    # ----------------------------------------------------------------------------------------------- snapshots
+    def state_dict(self, loss_window: dict) -> dict:
+        """The trainer's part of a snapshot: weights, optimizer, scaler, progress."""
+        return {
+            "model": self.raw_model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "progress": {
+                "step": self.step,
+                "epoch": self.epoch,
+                "epoch_samples": self.epoch_samples,
+                "val_loss": self.last_val_loss,
+                "last_eval_step": self._last_eval_step,
+            },
+            "loss_window": loss_window,
+        }
+
+    def _gather_loss_window(self) -> dict:
+        """The partly filled logging window of every rank, so a resumed run logs the same averages."""
+        sums = self._loss_sum.detach().reshape(1).to(torch.float64)
+        if self.ctx.distributed:
+            gathered = [torch.zeros_like(sums) for _ in range(self.ctx.world_size)]
+            dist.all_gather(gathered, sums)
+            sums = torch.cat(gathered)
+        return {"sums": sums.cpu().tolist(), "count": self._loss_count, "start_step": self._window_step}
+
+    def _save(self, reason: str) -> None:
+        """Every rank calls this at the same step; only global rank 0 writes, the others go straight on."""
+        if self.snapshots is None or self._last_saved_step == self.step:
+            return
+        window = self._gather_loss_window()  # a collective of all ranks, outside rank-0-only code
+        self._last_saved_step = self.step
+        if not self.ctx.is_main:
+            return
+        start = time.perf_counter()
+        snap = snapshot_lib.build(self.state_dict(window), self.snapshot_metadata, self.ctx.world_size)
+        name = snapshot_lib.snapshot_name(self.step)
+        self.snapshots.write(name, snapshot_lib.to_bytes(snap))
+        removed = self.snapshots.prune(self.cfg.keep_last)  # only after the new one is complete
+        log.info("snapshot %s saved (%s, %.2f s)%s", self.snapshots.url(name), reason,
+                 time.perf_counter() - start, f"; removed {', '.join(removed)}" if removed else "")  # fmt: skip
+        self._window_start += time.perf_counter() - start
+
+    def _restore(self) -> None:
+        """Load the newest valid snapshot, if any. Every rank loads it; all must agree on which."""
+        if self.snapshots is None:
+            return
+        if self.ctx.is_main:
+            self.snapshots.check_writable()
+        found = self.snapshots.load_newest_valid(
+            self.snapshot_metadata.get("model_config", {}), self.snapshot_metadata.get("vocab", "")
+        )
+        loaded_step = -1 if found is None else found[0].step
+        if self.ctx.distributed:
+            steps = [None] * self.ctx.world_size
+            dist.all_gather_object(steps, loaded_step)
+            if len(set(steps)) != 1:
+                raise RuntimeError(f"ranks found different snapshots to resume from (steps {steps})")
+        if found is None:
+            log.info("no snapshot in %s: starting from scratch", self.snapshots.location)
+            return
+        entry, snap = found
+        self.load_state_dict(snap)
+        self._last_saved_step = self.step
+        log.info("resumed from %s: step %d, epoch %d, sample %d of the epoch", self.snapshots.url(entry.name),
+                 self.step, self.epoch, self.epoch_samples)  # fmt: skip
+
+    def load_state_dict(self, snap: dict) -> None:
+        self.raw_model.load_state_dict(snap["model"])
+        self.optimizer.load_state_dict(snap["optimizer"])
+        self.scaler.load_state_dict(snap["scaler"])
+        progress = snap["progress"]
+        self.step, self.epoch = progress["step"], progress["epoch"]
+        self.epoch_samples = progress["epoch_samples"]
+        self.last_val_loss, self._last_eval_step = progress["val_loss"], progress["last_eval_step"]
+        saved_world_size = snap["world_size"]
+        if saved_world_size != self.ctx.world_size:
+            log.warning("snapshot was written by %d process(es), resuming with %d: continuing at global sample %d "
+                        "of epoch %d", saved_world_size, self.ctx.world_size, self.epoch_samples, self.epoch)  # fmt: skip
+        self.total_steps = self._total_steps()
+        self._restore_loss_window(snap["loss_window"], saved_world_size)
+
+    def _restore_loss_window(self, window: dict, saved_world_size: int) -> None:
+        self._reset_window()
+        self._window_step = window["start_step"]
+        self._loss_count = window["count"]
+        if saved_world_size == self.ctx.world_size:
+            own = window["sums"][self.ctx.rank]  # each rank continues its own sum: identical arithmetic
+        else:  # rescale so that the all-rank mean over the window stays right
+            own = sum(window["sums"]) * self.ctx.world_size / saved_world_size if self.ctx.is_main else 0.0
+        self._loss_sum = torch.tensor(own, dtype=torch.float32, device=self.ctx.device)
 
     # ----------------------------------------------------------------------------------------------- reporting
     def _reset_window(self) -> None:
@@ -381,22 +572,25 @@ class Trainer:
 
     def _finish(self) -> None:
         """Check that every rank ended with the same weights, and write the run's summary (rank 0)."""
-        digest = weights_sha256(self.raw_model)
+        digest = snapshot_lib.weights_sha256(self.raw_model.state_dict())
         digests = [digest]
         if self.ctx.distributed:
             digests = [None] * self.ctx.world_size
             dist.all_gather_object(digests, digest)
         identical = len(set(digests)) == 1
         wall = time.perf_counter() - self._fit_start
-        if identical:
+        if not identical:
+            log.error("replicas diverged: weight digests differ between ranks: %s", digests)
+        elif self.stopped_early:
+            log.info("stopped at step %d after %.1f s; run the same command again to continue", self.step, wall)
+        else:
             log.info("done: %d steps in %.1f s; weights identical on all %d rank(s), sha256 %s",
                      self.step, wall, len(digests), digest[:16])  # fmt: skip
-        else:
-            log.error("replicas diverged: weight digests differ between ranks: %s", digests)
         if self.ctx.is_main and self.metrics.path is not None:
             summary = {
                 "steps": self.step,
-                "epochs_completed": self.step // self.steps_per_epoch,
+                "epochs_completed": self.epoch,
+                "finished": not self.stopped_early,
                 "val_loss": self.last_val_loss,
                 "weights_sha256": digest,
                 "rank_weights_sha256": digests,

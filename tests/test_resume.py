@@ -1,0 +1,147 @@
+"""Fault tolerance with real processes: SIGKILL + torchrun restart, world-size change, a kill during a save,
+damaged and foreign snapshots, SIGTERM."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import snapshot as snap
+from conftest import TINY, child_pids, logged_step, read_metrics, run_cli, start_cli, wait_for
+
+
+def resume_args(snaps: Path, run_dir: Path, max_steps: int = 150, every: int = 10) -> list[str]:
+    return [
+        *TINY,
+        f"trainer_config.max_steps={max_steps}",
+        f"trainer_config.save_every_steps={every}",
+        "trainer_config.eval_every_steps=50",
+        f"trainer_config.snapshot_path={snaps}",
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
+def rows_by_step(rows: list[dict], key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
+    straight = run_cli(resume_args(tmp_path / "snaps_a", tmp_path / "run_a"), tmp_path, nproc=2)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    job = start_cli(resume_args(tmp_path / "snaps_b", tmp_path / "run_b"), tmp_path, nproc=2, max_restarts=1)
+    wait_for(lambda: logged_step(tmp_path / "run_b") >= 35, timeout=120, what="step 35")
+    workers = child_pids(job.pid)
+    assert len(workers) == 2
+    os.kill(workers[-1], signal.SIGKILL)  # from outside, like the OOM killer or a lost machine
+    assert job.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    log = (tmp_path / "launch.log").read_text()
+    assert "resumed from" in log, log[-3000:]
+
+    summary_a = json.loads((tmp_path / "run_a" / "summary.json").read_text())
+    summary_b = json.loads((tmp_path / "run_b" / "summary.json").read_text())
+    assert summary_b["weights_sha256"] == summary_a["weights_sha256"]
+    rows_a, rows_b = read_metrics(tmp_path / "run_a"), read_metrics(tmp_path / "run_b")
+    assert len([r for r in rows_b if "train_loss" in r]) > len([r for r in rows_a if "train_loss" in r])  # re-run steps
+    for key in ("train_loss", "val_loss", "lr"):
+        a, b = rows_by_step(rows_a, key), rows_by_step(rows_b, key)
+        for row in rows_b:  # every row, before and after the resume, the same as without interruption
+            if key in row:
+                assert row[key] == a[row["step"]], (key, row)
+        assert b.keys() == a.keys()
+    # keep_last=2: only the two newest snapshots remain
+    assert [e.step for e in snap.SnapshotStore(str(tmp_path / "snaps_b")).entries()] == [150, 140]
+
+
+def test_world_size_change_keeps_the_global_sample_position(tmp_path):
+    snaps, run_dir = tmp_path / "snaps", tmp_path / "run"
+    first = run_cli(resume_args(snaps, run_dir, max_steps=30), tmp_path, nproc=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_cli(resume_args(snaps, run_dir, max_steps=40), tmp_path)  # 1 process, no torchrun
+    assert second.returncode == 0, second.stderr[-3000:]
+    # 30 steps x 2 processes x batch 8 = 480 samples, then 10 steps x 1 process x 8 = 80 more
+    assert "written by 2 process(es), resuming with 1: continuing at global sample 480 of epoch 0" in second.stdout
+    store = snap.SnapshotStore(str(snaps))
+    entry, last = store.load_newest_valid(*_model_and_vocab(store))
+    assert entry.step == 40 and last["progress"]["epoch_samples"] == 560 and last["world_size"] == 1
+
+
+def _model_and_vocab(store: snap.SnapshotStore) -> tuple[dict, str]:
+    newest = snap.from_bytes(store.read(store.entries()[0].name), "newest")
+    return newest["model_config"], newest["vocab"]
+
+
+def test_kill_during_a_save_leaves_a_loadable_snapshot(tmp_path):
+    snaps, run_dir = tmp_path / "snaps", tmp_path / "run"
+    # A bigger model (10 MB snapshots) saved every step, so that rank 0 is writing most of the time.
+    args = [*resume_args(snaps, run_dir, max_steps=100000, every=1), "gpt_config.n_layer=4", "gpt_config.n_embd=128",
+            "gpt_config.n_head=4"]
+    caught = False
+    for attempt in range(5):
+        job = start_cli(args, tmp_path, nproc=2, log_name=f"attempt{attempt}.log")
+        temporary = lambda: [n for n in os.listdir(snaps) if ".tmp-" in n] if snaps.exists() else []  # noqa: E731
+        wait_for(lambda: logged_step(run_dir) >= 5 * (attempt + 1), timeout=120, what="some steps")
+        wait_for(temporary, timeout=60, interval=0.001, what="a save in progress")
+        for pid in child_pids(job.pid):
+            os.kill(pid, signal.SIGKILL)
+        job.wait(timeout=60)
+        if temporary():
+            caught = True
+            break
+    assert caught, "never caught a save in progress"
+    store = snap.SnapshotStore(str(snaps))
+    entries = store.entries()
+    assert entries, "no complete snapshot"
+    for entry in entries:  # every visible snapshot is complete
+        snap.from_bytes(store.read(entry.name), entry.name)
+    newest = entries[0].step
+    again = run_cli([*args, f"trainer_config.max_steps={newest + 2}"], tmp_path, nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {snaps}/{snap.snapshot_name(newest)}" in again.stdout
+    assert not [n for n in os.listdir(snaps) if ".tmp-" in n]  # the killed save's leftovers are cleaned up
+
+
+def test_damaged_newest_snapshot_falls_back_and_foreign_one_is_refused(tmp_path):
+    snaps, run_dir = tmp_path / "snaps", tmp_path / "run"
+    first = run_cli(resume_args(snaps, run_dir, max_steps=20), tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    newest = snaps / snap.snapshot_name(20)
+    newest.write_bytes(newest.read_bytes()[:5000])  # truncated, e.g. by a full disk outside our control
+    resumed = run_cli(resume_args(snaps, run_dir, max_steps=30), tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "skipping snapshot" in resumed.stdout + resumed.stderr
+    assert f"resumed from {snaps}/{snap.snapshot_name(10)}" in resumed.stdout
+
+    before = {p.name: p.read_bytes() for p in snaps.iterdir()}
+    foreign = run_cli([*resume_args(snaps, run_dir, max_steps=40), "gpt_config.n_layer=3"], tmp_path)
+    assert foreign.returncode == 2
+    lines = [line for line in foreign.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "different model: n_layer=2 in the snapshot, 3 in the config" in lines[0]
+    assert {p.name: p.read_bytes() for p in snaps.iterdir()} == before  # nothing overwritten
+
+
+def test_sigterm_saves_and_the_same_command_continues(tmp_path):
+    snaps, run_dir = tmp_path / "snaps", tmp_path / "run"
+    args = resume_args(snaps, run_dir, max_steps=100000, every=1000)
+    job = start_cli(args, tmp_path, nproc=2)
+    wait_for(lambda: logged_step(run_dir) >= 10, timeout=120, what="step 10")
+    job.send_signal(signal.SIGTERM)  # what a scheduler sends to the launcher before it kills the job
+    code = job.wait(timeout=60)
+    log = (tmp_path / "launch.log").read_text()
+    assert code in (0, 1), log[-3000:]  # torchrun itself reports the signal with exit code 1
+    assert "stop requested (SIGTERM)" in log and "saved (stop requested" in log
+    stopped_at = snap.SnapshotStore(str(snaps)).entries()[0].step
+    assert stopped_at >= 10
+    again = run_cli([*args, f"trainer_config.max_steps={stopped_at + 5}"], tmp_path, nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {snaps}/{snap.snapshot_name(stopped_at)}" in again.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == stopped_at + 5
+
+
+def test_sigterm_to_one_worker_stops_all_cleanly(tmp_path):
+    snaps, run_dir = tmp_path / "snaps", tmp_path / "run"
+    job = start_cli(resume_args(snaps, run_dir, max_steps=100000, every=1000), tmp_path, nproc=2)
+    wait_for(lambda: logged_step(run_dir) >= 5, timeout=120, what="step 5")
+    os.kill(child_pids(job.pid)[-1], signal.SIGTERM)
+    assert job.wait(timeout=60) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    assert snap.SnapshotStore(str(snaps)).entries()

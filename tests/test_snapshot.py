@@ -1,0 +1,202 @@
+"""Snapshot contents, bytes, integrity, storage and the snapshot.py CLI, in-process."""
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import snapshot as snap
+from conftest import PROJECT_DIR
+from errors import UsageError
+from model import GPT, GPTConfig
+
+VOCAB = "abcdefghij"
+
+
+def make_snapshot(step: int = 10, n_layer: int = 1, vocab: str = VOCAB) -> dict:
+    cfg = GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, vocab_size=len(vocab), block_size=8)
+    torch.manual_seed(step)
+    model = GPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
+    optimizer.step()
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": {},
+        "progress": {"step": step, "epoch": 0, "epoch_samples": 8 * step, "val_loss": 2.5, "last_eval_step": step},
+        "loss_window": {"sums": [0.0], "count": 0, "start_step": step},
+    }
+    metadata = {"model_config": dataclasses.asdict(cfg), "vocab": vocab, "train_config": {"trainer_config": {}}}
+    return snap.build(state, metadata, world_size=2)
+
+
+def expected(snapshot: dict) -> tuple[dict, str]:
+    return snapshot["model_config"], snapshot["vocab"]
+
+
+def test_round_trip_keeps_everything():
+    original = make_snapshot()
+    loaded = snap.from_bytes(snap.to_bytes(original), "mem")
+    assert loaded["progress"] == original["progress"]
+    assert loaded["world_size"] == 2 and loaded["format_version"] == snap.FORMAT_VERSION
+    assert loaded["vocab"] == VOCAB and loaded["model_config"]["n_layer"] == 1
+    assert all(torch.equal(loaded["model"][k], v) for k, v in original["model"].items())
+    assert loaded["weights_sha256"] == snap.weights_sha256(loaded["model"])
+
+
+def test_weights_sha256_is_over_sorted_tensor_bytes():
+    state = {"b": torch.tensor([1.0, 2.0]), "a": torch.tensor([3], dtype=torch.int64)}
+    import hashlib
+
+    manual = hashlib.sha256(state["a"].numpy().tobytes() + state["b"].numpy().tobytes()).hexdigest()
+    assert snap.weights_sha256(state) == manual
+
+
+def test_flipped_byte_in_tensor_data_is_detected():
+    data = bytearray(snap.to_bytes(make_snapshot()))
+    # Find the bytes of one weight matrix inside the file and damage one of them.
+    weight = make_snapshot()["model"]["transformer.h.0.mlp.c_fc.weight"]
+    offset = bytes(data).find(weight.numpy().tobytes()[:64])
+    assert offset > 0
+    data[offset + 10] ^= 0x40
+    with pytest.raises(snap.CorruptSnapshot, match="damaged"):
+        snap.from_bytes(bytes(data), "mem")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random", "empty", "not a dict"])
+def test_unreadable_bytes_are_corrupt(damage):
+    good = snap.to_bytes(make_snapshot())
+    data = {
+        "truncated": good[: len(good) // 2],
+        "random": os.urandom(4096),
+        "empty": b"",
+        "not a dict": snap.to_bytes([1, 2, 3]),
+    }[damage]
+    with pytest.raises(snap.CorruptSnapshot):
+        snap.from_bytes(data, "mem")
+
+
+class _RunsCode:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_pickled_callable_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "code-ran"
+    evil = make_snapshot()
+    evil["progress"] = _RunsCode(str(marker))
+    with pytest.raises(UsageError, match=r"references code \(posix.mkdir\)"):
+        snap.from_bytes(snap.to_bytes(evil), "evil.pt")
+    assert not marker.exists()
+
+
+def test_newer_format_is_an_error():
+    newer = make_snapshot()
+    newer["format_version"] = snap.FORMAT_VERSION + 1
+    newer["integrity_sha256"] = snap.integrity_sha256(newer)
+    with pytest.raises(UsageError, match="newer than this code"):
+        snap.from_bytes(snap.to_bytes(newer), "new.pt")
+
+
+def test_store_writes_atomically_lists_newest_first_and_prunes(tmp_path):
+    store = snap.SnapshotStore(str(tmp_path / "snaps"))
+    store.check_writable()
+    for step in (10, 30, 20):
+        store.write(snap.snapshot_name(step), snap.to_bytes(make_snapshot(step)))
+    assert [e.step for e in store.entries()] == [30, 20, 10]
+    assert sorted(os.listdir(tmp_path / "snaps")) == [snap.snapshot_name(s) for s in (10, 20, 30)]  # no temp files
+    assert store.prune(keep_last=2) == [snap.snapshot_name(10)]
+    assert [e.step for e in store.entries()] == [30, 20]
+
+
+def test_interrupted_local_save_leaves_previous_snapshot(tmp_path, monkeypatch):
+    store = snap.SnapshotStore(str(tmp_path))
+    store.write(snap.snapshot_name(10), snap.to_bytes(make_snapshot(10)))
+
+    def crash(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        store.write(snap.snapshot_name(20), snap.to_bytes(make_snapshot(20)))
+    assert os.listdir(tmp_path) == [snap.snapshot_name(10)]  # the temp file is gone, the old snapshot intact
+    entry, loaded = store.load_newest_valid(*expected(make_snapshot(10)))
+    assert entry.step == 10
+
+
+def test_prune_removes_stale_temp_files_of_killed_saves(tmp_path):
+    store = snap.SnapshotStore(str(tmp_path))
+    stale = tmp_path / ".snapshot-000000020.pt.tmp-99999-abcdef12"
+    stale.write_bytes(b"partial")
+    store.write(snap.snapshot_name(10), snap.to_bytes(make_snapshot(10)))
+    store.prune(keep_last=2)
+    assert not stale.exists()
+
+
+def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog):
+    store = snap.SnapshotStore(str(tmp_path))
+    store.write(snap.snapshot_name(10), snap.to_bytes(make_snapshot(10)))
+    good = snap.to_bytes(make_snapshot(20))
+    store.write(snap.snapshot_name(20), good[: len(good) // 3])
+    with caplog.at_level(logging.WARNING):
+        entry, loaded = store.load_newest_valid(*expected(make_snapshot(10)))
+    assert entry.step == 10 and loaded["progress"]["step"] == 10
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "snapshot-000000020.pt" in warnings[0] and "\n" not in warnings[0]
+
+
+def test_no_snapshot_means_none(tmp_path):
+    assert snap.SnapshotStore(str(tmp_path / "empty")).load_newest_valid({}, "") is None
+
+
+def test_other_model_shape_is_a_clear_error(tmp_path):
+    store = snap.SnapshotStore(str(tmp_path))
+    store.write(snap.snapshot_name(10), snap.to_bytes(make_snapshot(10, n_layer=2)))
+    with pytest.raises(UsageError, match="n_layer=2 in the snapshot, 1 in the config"):
+        store.load_newest_valid(*expected(make_snapshot(10, n_layer=1)))
+
+
+def test_other_vocabulary_is_a_clear_error(tmp_path):
+    store = snap.SnapshotStore(str(tmp_path))
+    store.write(snap.snapshot_name(10), snap.to_bytes(make_snapshot(10, vocab="abcdefghij")))
+    config, _ = expected(make_snapshot(10, vocab="abcdefghij"))
+    with pytest.raises(UsageError, match="different vocabulary.*only in the data: 'k'.*only in the snapshot: 'j'"):
+        store.load_newest_valid(config, "abcdefghik")
+
+
+def test_unwritable_location_fails_fast(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(UsageError, match="not writable"):
+        snap.SnapshotStore(str(blocker / "snaps")).check_writable()
+
+
+def test_cli_info_and_list(tmp_path):
+    store = snap.SnapshotStore(str(tmp_path))
+    original = make_snapshot(10)
+    for step in (10, 20):
+        store.write(snap.snapshot_name(step), snap.to_bytes(make_snapshot(step)))
+    run = lambda *args: subprocess.run([sys.executable, str(PROJECT_DIR / "snapshot.py"), *args],
+                                       capture_output=True, text=True, timeout=60)  # noqa: E731
+    info = run("info", str(tmp_path / snap.snapshot_name(10)))
+    assert info.returncode == 0, info.stderr
+    summary = json.loads(info.stdout)
+    for key in ("format_version", "epoch", "step", "world_size", "n_params", "vocab_size", "val_loss",
+                "created_at", "weights_sha256"):
+        assert key in summary
+    assert summary["step"] == 10 and summary["world_size"] == 2 and summary["vocab_size"] == len(VOCAB)
+    assert summary["weights_sha256"] == original["weights_sha256"]
+    assert summary["n_params"] == GPT(GPTConfig(**original["model_config"])).num_params()
+    listing = run("list", str(tmp_path))
+    assert [json.loads(line)["step"] for line in listing.stdout.splitlines()] == [20, 10]
+    missing = run("info", str(tmp_path / "nope.pt"))
+    assert missing.returncode == 2 and missing.stderr.startswith("error: no such snapshot")
