@@ -68,6 +68,15 @@ def _first_line(text: str) -> str:
     return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
 
 
+def compose_config(overrides: list[str]) -> TrainConfig:
+    """gpt2_train_cfg.yaml + overrides as validated dataclasses, for tools other than training (bench.py)."""
+    precheck_overrides(overrides)
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(PROJECT_DIR), version_base="1.3"):
+        return to_dataclasses(compose(config_name=CONFIG_NAME, overrides=overrides))
+
+
 def precheck_overrides(overrides: list[str]) -> None:
     """Compose and validate the config once with Hydra's compose API, so a bad override fails with one line.
 
@@ -198,6 +207,29 @@ def configure_device(device: torch.device) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- the job
+def build_trainer(
+    cfg: TrainConfig, corpus: CharCorpus, ctx: DistContext, run_dir: Optional[Path], with_snapshots: bool = True
+) -> Trainer:
+    """Model, optimizer, schedule, snapshot store and Trainer, exactly as a training run gets them (bench.py too)."""
+    gpt_cfg = dataclasses.replace(cfg.gpt_config, vocab_size=len(corpus.vocab), block_size=cfg.data_config.block_size)
+    torch.manual_seed(cfg.trainer_config.seed)  # identical initial weights on every rank
+    model = GPT(gpt_cfg).to(ctx.device)
+    log.info("model: %s parameters", f"{model.num_params():,}")
+    optimizer = build_optimizer(model, cfg.optimizer_config, fused=ctx.device.type == "cuda")
+    schedule = functools.partial(_lr_at, opt_cfg=cfg.optimizer_config)
+    tc = cfg.trainer_config
+    store = SnapshotStore(resolve_path(tc.snapshot_path), tc.snapshot_storage_options) if with_snapshots else None
+    metadata = {
+        "model_config": dataclasses.asdict(gpt_cfg),
+        "vocab": corpus.vocab.chars,
+        "train_config": redacted(dataclasses.asdict(cfg)),
+    }
+    return Trainer(
+        tc, model, optimizer, schedule, corpus.train_dataset(), corpus.val_dataset(), ctx, run_dir,
+        snapshots=store, snapshot_metadata=metadata,
+    )  # fmt: skip
+
+
 def train(cfg: TrainConfig, run_dir: Path) -> None:
     corpus = CharCorpus.load(cfg.data_config)  # bad data fails here, before any process group
     ctx = setup_distributed()
@@ -206,26 +238,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
         configure_device(ctx.device)
         log.info("run directory: %s", run_dir)
         log.info("data: %s characters, vocabulary of %d", f"{corpus.data.numel():,}", len(corpus.vocab))
-        gpt_cfg = dataclasses.replace(
-            cfg.gpt_config, vocab_size=len(corpus.vocab), block_size=cfg.data_config.block_size
-        )
-        torch.manual_seed(cfg.trainer_config.seed)  # identical initial weights on every rank
-        model = GPT(gpt_cfg).to(ctx.device)
-        log.info("model: %s parameters", f"{model.num_params():,}")
-        optimizer = build_optimizer(model, cfg.optimizer_config, fused=ctx.device.type == "cuda")
-        schedule = functools.partial(_lr_at, opt_cfg=cfg.optimizer_config)
-        tc = cfg.trainer_config
-        store = SnapshotStore(resolve_path(tc.snapshot_path), tc.snapshot_storage_options)
-        metadata = {
-            "model_config": dataclasses.asdict(gpt_cfg),
-            "vocab": corpus.vocab.chars,
-            "train_config": redacted(dataclasses.asdict(cfg)),
-        }
-        trainer = Trainer(
-            tc, model, optimizer, schedule, corpus.train_dataset(), corpus.val_dataset(), ctx, run_dir,
-            snapshots=store, snapshot_metadata=metadata,
-        )  # fmt: skip
-        trainer.fit()
+        build_trainer(cfg, corpus, ctx, run_dir).fit()
         if ctx.distributed:
             # Leave together: a rank that tears down its gloo connections while a peer still finishes its last
             # collective can make that peer's gloo threads abort. (Not on the error path: a peer may be gone.)

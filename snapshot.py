@@ -27,6 +27,8 @@ import os
 import pickle
 import re
 import sys
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -269,6 +271,58 @@ class SnapshotStore:
             check_compatible(snapshot, model_config, vocab, source)
             return entry, snapshot
         return None
+
+
+class BackgroundWriter:
+    """Serialises, checksums and writes snapshots on a background thread, so training is blocked only for the
+    copy of its state into CPU memory. One write at a time: a new one first waits for the previous one."""
+
+    def __init__(self, store: SnapshotStore, keep_last: int) -> None:
+        self.store = store
+        self.keep_last = keep_last
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[str] = None
+
+    def submit(self, name: str, state: dict, metadata: dict, world_size: int, reason: str) -> None:
+        """`state` must already be a private CPU copy: training goes on changing the live tensors."""
+        self.wait(raise_error=False)
+        self._thread = threading.Thread(
+            target=self._write, args=(name, state, metadata, world_size, reason), name="snapshot-writer", daemon=True
+        )
+        self._thread.start()
+
+    def _write(self, name: str, state: dict, metadata: dict, world_size: int, reason: str) -> None:
+        start = time.perf_counter()
+        try:
+            self.store.write(name, to_bytes(build(state, metadata, world_size)))
+            removed = self.store.prune(self.keep_last)  # only once the new snapshot is complete
+        except Exception as e:  # reported here and by wait(); training goes on with the previous snapshot
+            self._error = f"snapshot {self.store.url(name)} could not be written: {type(e).__name__}: {_first_line(e)}"
+            log.error(self._error)
+            return
+        self._error = None
+        log.info("snapshot %s saved (%s, %.2f s in the background)%s", self.store.url(name), reason,
+                 time.perf_counter() - start, f"; removed {', '.join(removed)}" if removed else "")  # fmt: skip
+
+    def wait(self, raise_error: bool = True) -> None:
+        """Block until the current write is done; with raise_error, a failed write becomes a UsageError."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if raise_error and self._error is not None:
+            error, self._error = self._error, None
+            raise UsageError(error)
+
+
+def cpu_copy(obj: Any) -> Any:
+    """A private CPU copy of every tensor in a nest of dicts/lists (other values are kept as they are)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: cpu_copy(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_copy(value) for value in obj)
+    return obj
 
 
 # --------------------------------------------------------------------------------------------------- CLI

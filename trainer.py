@@ -217,6 +217,8 @@ class Trainer:
         self._last_saved_step = -1
         self._batches: Optional[Iterator] = None
         self._stop_signal: Optional[int] = None
+        self._writer: Optional[snapshot_lib.BackgroundWriter] = None
+        self.snapshot_blocked_s: list[float] = []  # training-thread time per snapshot, for reports and bench.py
         self.stopped_early = False
         self.total_steps = self._total_steps()
         self._reset_window()
@@ -298,9 +300,7 @@ class Trainer:
         self._reset_window()
         with self._sigterm_requests_stop():
             while self.step < self.total_steps:
-                if self._batches is None:
-                    self._start_epoch()
-                self._train_step()
+                self.train_step()
                 self._after_step()
                 if self._stop_agreed():
                     self._stop_early()
@@ -308,8 +308,15 @@ class Trainer:
         if not self.stopped_early:
             if self._last_eval_step != self.step:
                 self._evaluate()
-            self._save("end of training")
+            self.save_snapshot("end of training")
+        self.wait_for_snapshot()  # the last snapshot must be complete before the process exits
         self._finish()
+
+    def train_step(self) -> None:
+        """One optimizer step on the next batches of the epoch (bench.py times exactly this)."""
+        if self._batches is None:
+            self._start_epoch()
+        self._train_step()
 
     def _start_epoch(self) -> None:
         self.sampler.set_epoch(self.epoch, start=self.epoch_samples)  # mid-epoch resume starts at the next batch
@@ -324,7 +331,7 @@ class Trainer:
         if self._steps_left_in_epoch() == 0:
             self._end_epoch()
         if self.cfg.save_every_steps and self.step % self.cfg.save_every_steps == 0:
-            self._save(f"every {self.cfg.save_every_steps} steps")
+            self.save_snapshot(f"every {self.cfg.save_every_steps} steps")
 
     def _end_epoch(self) -> None:
         if self._last_eval_step != self.step:
@@ -333,7 +340,7 @@ class Trainer:
         self.epoch_samples = 0
         self._batches = None
         if self.epoch % self.cfg.save_every == 0:
-            self._save(f"end of epoch {self.epoch - 1}")
+            self.save_snapshot(f"end of epoch {self.epoch - 1}")
 
     def _train_step(self) -> None:
         lr = self.lr_schedule(self.step, self.total_steps)
@@ -406,7 +413,7 @@ class Trainer:
     def _stop_early(self) -> None:
         self.stopped_early = True
         log.warning("stop requested (SIGTERM) after step %d: saving a snapshot and exiting", self.step)
-        self._save("stop requested")
+        self.save_snapshot("stop requested")
 
     # ----------------------------------------------------------------------------------------------- snapshots
     def state_dict(self, loss_window: dict) -> dict:
@@ -434,8 +441,12 @@ class Trainer:
             sums = torch.cat(gathered)
         return {"sums": sums.cpu().tolist(), "count": self._loss_count, "start_step": self._window_step}
 
-    def _save(self, reason: str) -> None:
-        """Every rank calls this at the same step; only global rank 0 writes, the others go straight on."""
+    def save_snapshot(self, reason: str) -> None:
+        """Every rank calls this at the same step; only global rank 0 writes, the others go straight on.
+
+        Rank 0 copies its state into CPU memory (the only part that blocks training) and hands it to a background
+        writer that serialises, checksums, writes and prunes.
+        """
         if self.snapshots is None or self._last_saved_step == self.step:
             return
         window = self._gather_loss_window()  # a collective of all ranks, outside rank-0-only code
@@ -443,13 +454,19 @@ class Trainer:
         if not self.ctx.is_main:
             return
         start = time.perf_counter()
-        snap = snapshot_lib.build(self.state_dict(window), self.snapshot_metadata, self.ctx.world_size)
+        state = snapshot_lib.cpu_copy(self.state_dict(window))
+        if self._writer is None or self._writer.store is not self.snapshots:
+            self.wait_for_snapshot()
+            self._writer = snapshot_lib.BackgroundWriter(self.snapshots, self.cfg.keep_last)
         name = snapshot_lib.snapshot_name(self.step)
-        self.snapshots.write(name, snapshot_lib.to_bytes(snap))
-        removed = self.snapshots.prune(self.cfg.keep_last)  # only after the new one is complete
-        log.info("snapshot %s saved (%s, %.2f s)%s", self.snapshots.url(name), reason,
-                 time.perf_counter() - start, f"; removed {', '.join(removed)}" if removed else "")  # fmt: skip
+        self._writer.submit(name, state, self.snapshot_metadata, self.ctx.world_size, reason)
+        self.snapshot_blocked_s.append(time.perf_counter() - start)
         self._window_start += time.perf_counter() - start
+
+    def wait_for_snapshot(self) -> None:
+        """Block until the snapshot being written is complete (raises if writing it failed)."""
+        if self._writer is not None:
+            self._writer.wait()
 
     def _restore(self) -> None:
         """Load the newest valid snapshot, if any. Every rank loads it; all must agree on which."""

@@ -1,0 +1,42 @@
+"""bench.py runs the real trainer and reports consistent numbers (it is not itself a performance test)."""
+
+import json
+import subprocess
+import sys
+
+from conftest import PROJECT_DIR, TINY, TORCHRUN, subprocess_env
+
+
+def check_result(result: dict, world_size: int) -> None:
+    assert result["world_size"] == world_size and result["timed_steps"] == 4
+    assert result["tokens_per_step"] == 8 * 32 * world_size
+    assert abs(result["tokens_per_s"] - result["tokens_per_step"] / (result["step_ms_median"] / 1000)) < 0.01 * result[
+        "tokens_per_s"]
+    assert 0 < result["mfu"] < 1 and result["peak_source"] == "measured matmul"
+    assert result["flops_per_token"] > 6 * result["n_params"] * 0.9
+
+
+def test_bench_single_process_with_snapshots(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(PROJECT_DIR / "bench.py"), "--steps", "4", "--warmup", "1", "--snapshots", "2",
+         "--json", str(out), *TINY, f"trainer_config.snapshot_path={tmp_path / 'snaps'}"],
+        cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == result
+    check_result(result, world_size=1)
+    snap = result["snapshot"]
+    assert snap["saves"] == 2 and 0 < snap["blocked_s_median"] <= snap["written_s_median"]
+    assert len(list((tmp_path / "snaps").glob("snapshot-*.pt"))) == 2
+
+
+def test_bench_under_torchrun(tmp_path):
+    proc = subprocess.run(
+        [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(PROJECT_DIR / "bench.py"), "--steps", "4",
+         "--warmup", "1", *TINY],
+        cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_result(json.loads(proc.stdout), world_size=2)
