@@ -26,12 +26,15 @@ import torch
 import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from char_dataset import CharCorpus, DataConfig, resolve_path
 from errors import UsageError
 from model import GPT, GPTConfig
 from optim import OptimizerConfig, build_optimizer, learning_rate
+from plot import write_loss_plot
+from sample import generate_text
 from snapshot import SnapshotStore
 from trainer import DistContext, Trainer, TrainerConfig
 
@@ -77,24 +80,30 @@ def compose_config(overrides: list[str]) -> TrainConfig:
         return to_dataclasses(compose(config_name=CONFIG_NAME, overrides=overrides))
 
 
-def precheck_overrides(overrides: list[str]) -> None:
-    """Compose and validate the config once with Hydra's compose API, so a bad override fails with one line.
+def precheck_config_overrides(config_name: str, overrides: list[str]) -> Optional[DictConfig]:
+    """Compose a config once with Hydra's compose API, so that a bad override fails with one line.
 
     Hydra's own report of the same error spans several lines plus a hint about HYDRA_FULL_ERROR. Command-line
-    flags (--help, --cfg, -m ...) are left to Hydra itself.
+    flags (--help, --cfg, -m ...) are left to Hydra itself (returns None).
     """
     if any(arg.startswith("-") for arg in overrides):
-        return
+        return None
     from hydra import compose, initialize_config_dir
 
     try:
         with initialize_config_dir(config_dir=str(PROJECT_DIR), version_base="1.3"):
-            composed = compose(config_name=CONFIG_NAME, overrides=overrides)
+            return compose(config_name=config_name, overrides=overrides)
     except Exception as e:  # Hydra raises several exception types; all are user errors here
         cause = e.__cause__ or e.__context__
         detail = f" {_first_line(cause)}" if cause is not None and _first_line(cause) != _first_line(e) else ""
         raise UsageError(f"{_first_line(e)}{detail}") from None
-    to_dataclasses(composed)  # value checks too, before Hydra creates the run directory
+
+
+def precheck_overrides(overrides: list[str]) -> None:
+    """The training config with these overrides, checked (keys, types, values) before Hydra makes a run folder."""
+    composed = precheck_config_overrides(CONFIG_NAME, overrides)
+    if composed is not None:
+        to_dataclasses(composed)
 
 
 def _check_known_keys(section: DictConfig, schema: type, prefix: str) -> None:
@@ -179,13 +188,27 @@ def teardown_distributed() -> None:
         dist.destroy_process_group()
 
 
+class _ConsoleHandler(logging.Handler):
+    """Writes to stdout through tqdm, so that messages appear above a progress bar instead of breaking it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=sys.stdout)
+        except Exception:
+            self.handleError(record)
+
+
 def setup_logging(rank: int, run_dir: Optional[Path]) -> None:
     """Rank 0 logs INFO to stdout and to train.log in the run directory; other ranks only warnings, prefixed."""
     root = logging.getLogger()
     root.handlers.clear()
     if rank == 0:
         fmt = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")
-        handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
+        console = _ConsoleHandler()
+        console.addFilter(lambda record: getattr(record, "console", True))  # per-step lines hidden under a bar
+        handlers: list[logging.Handler] = [console]
         if run_dir is not None:
             handlers.append(logging.FileHandler(run_dir / "train.log", encoding="utf-8"))
         level = logging.INFO
@@ -197,6 +220,7 @@ def setup_logging(rank: int, run_dir: Optional[Path]) -> None:
         handler.setFormatter(fmt)
         root.addHandler(handler)
     root.setLevel(level)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache notices are not ours
 
 
 def configure_device(device: torch.device) -> None:
@@ -238,13 +262,29 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
         configure_device(ctx.device)
         log.info("run directory: %s", run_dir)
         log.info("data: %s characters, vocabulary of %d", f"{corpus.data.numel():,}", len(corpus.vocab))
-        build_trainer(cfg, corpus, ctx, run_dir).fit()
+        trainer = build_trainer(cfg, corpus, ctx, run_dir)
+        trainer.fit()
+        if ctx.is_main and not trainer.stopped_early:
+            report_results(trainer, corpus, run_dir)
         if ctx.distributed:
             # Leave together: a rank that tears down its gloo connections while a peer still finishes its last
             # collective can make that peer's gloo threads abort. (Not on the error path: a peer may be gone.)
             dist.barrier()
     finally:
         teardown_distributed()
+
+
+def report_results(trainer: Trainer, corpus: CharCorpus, run_dir: Path) -> None:
+    """Rank 0, after training: the loss plot in the run directory and a short generated sample in the log."""
+    try:
+        log.info("loss plot: %s", write_loss_plot(run_dir))
+    except ImportError:
+        log.info("loss plot skipped: matplotlib is not installed")
+    generator = torch.Generator(device=trainer.ctx.device).manual_seed(trainer.cfg.seed)
+    trainer.raw_model.eval()
+    text = generate_text(trainer.raw_model, corpus.vocab, "\n", 200, 0.8, 40, generator)
+    trainer.raw_model.train()
+    log.info("sample (temperature 0.8, top_k 40):\n%s", text.strip("\n"))
 
 
 def _lr_at(step: int, total_steps: int, opt_cfg: OptimizerConfig) -> float:
@@ -259,17 +299,68 @@ def _report_usage_error(error: UsageError) -> None:
 
 @hydra.main(version_base="1.3", config_path=".", config_name=CONFIG_NAME)
 def hydra_main(cfg: DictConfig) -> None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     if _global_rank() == 0:
         scrub_hydra_output(run_dir, cfg)
     try:
-        train(to_dataclasses(cfg), run_dir)
+        settings = to_dataclasses(cfg)
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            # Each job of a sweep gets its own snapshots, named by its swept values: rerunning the sweep resumes each.
+            job_name = sweep_job_name(sys.argv[1:], list(hydra_cfg.overrides.task)) or str(hydra_cfg.job.num)
+            settings.trainer_config.snapshot_path = f"{settings.trainer_config.snapshot_path.rstrip('/')}/{job_name}"
+        train(settings, run_dir)
     except UsageError as e:
         _report_usage_error(e)
         sys.exit(2)
 
 
+def sweep_job_name(argv: list[str], job_overrides: list[str]) -> str:
+    """`key=value,...` of the parameters a sweep varies (e.g. optimizer_config.learning_rate=0.001)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    swept = {o.key_or_group for o in parser.parse_overrides([a for a in argv if not a.startswith("-")])
+             if o.is_sweep_override()}  # fmt: skip
+    job = parser.parse_overrides(job_overrides)
+    return ",".join(f"{o.key_or_group}={o.value()}" for o in job if o.key_or_group in swept)
+
+
+def help_text() -> str:
+    """`--help`: the config groups and every field with its description, read from the YAML files."""
+    lines = [
+        "mingpt-ddp: train a character-level GPT with DistributedDataParallel.",
+        "",
+        "Usage: torchrun --standalone --nproc_per_node=N main.py [override ...]    (or: python main.py ...)",
+        "Override any field as section.key=value, e.g. trainer_config.max_epochs=20 gpt_config.n_layer=4",
+        "Hydra flags: --cfg job (print the resolved config), -m (sweep, single process), --hydra-help",
+        "",
+        "Config groups:",
+        "  preset: " + ", ".join(sorted(p.stem for p in (PROJECT_DIR / "preset").glob("*.yaml")))
+        + "   (e.g. preset=cpu; files in preset/)",
+        "",
+        "Fields (gpt2_train_cfg.yaml):",
+    ]
+    in_hydra = False
+    for raw in (PROJECT_DIR / f"{CONFIG_NAME}.yaml").read_text(encoding="utf-8").splitlines():
+        if not raw.strip() or raw.lstrip().startswith("#") or raw.startswith(("defaults", "  -")):
+            continue
+        in_hydra = raw.startswith("hydra:") or (in_hydra and raw.startswith(" "))
+        if in_hydra:
+            continue
+        if not raw.startswith(" "):
+            lines.append(f"  {raw.split(':')[0]}")
+            continue
+        setting, _, description = raw.partition("#")
+        key, _, default = setting.strip().partition(":")
+        lines.append(f"    {key:<26} {default.strip():<18} {description.strip()}")
+    return "\n".join(lines)
+
+
 def cli() -> None:
+    if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
+        print(help_text())
+        return
     try:
         precheck_overrides(sys.argv[1:])
     except UsageError as e:

@@ -256,10 +256,13 @@ class SnapshotStore:
                     os.remove(os.path.join(self.root, name))
         return removed
 
-    def load_newest_valid(self, model_config: dict, vocab: str) -> Optional[tuple[Entry, dict]]:
+    def load_newest_valid(
+        self, model_config: Optional[dict] = None, vocab: Optional[str] = None
+    ) -> Optional[tuple[Entry, dict]]:
         """The newest snapshot that reads back intact; damaged ones are reported in one line and skipped.
 
-        One of another model shape or vocabulary, a newer format, or pickled code is an error, not skipped.
+        With `model_config` and `vocab`, one of another model shape or vocabulary is an error, not skipped; so
+        are a newer format and pickled code.
         """
         for entry in self.entries():
             source = self.url(entry.name)
@@ -268,7 +271,8 @@ class SnapshotStore:
             except CorruptSnapshot as e:
                 log.warning("skipping snapshot %s", e)
                 continue
-            check_compatible(snapshot, model_config, vocab, source)
+            if model_config is not None and vocab is not None:
+                check_compatible(snapshot, model_config, vocab, source)
             return entry, snapshot
         return None
 

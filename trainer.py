@@ -19,9 +19,10 @@ import json
 import logging
 import math
 import signal
+import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -36,8 +37,10 @@ from errors import UsageError
 from snapshot import SnapshotStore
 
 log = logging.getLogger(__name__)
+step_log = logging.getLogger(f"{__name__}.steps")  # per-step lines: a console filter drops them when a bar shows
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+PROGRESS_MODES = ("auto", "bar", "lines", "off")
 
 
 @dataclass
@@ -55,6 +58,7 @@ class TrainerConfig:
     eval_every_steps: int = 500  # evaluate on the validation split every this many steps; 0 = at epoch ends only
     eval_batches: Optional[int] = None  # cap on validation batches per process per evaluation; null = all of them
     log_every_steps: int = 50  # print a line and append a metrics.jsonl row every this many steps
+    progress: str = "auto"  # auto (a bar on a terminal, lines otherwise) | bar | lines | off (no per-step output)
     data_loader_workers: int = 0  # DataLoader worker processes (batches are one tensor gather, 0 is usually best)
     snapshot_path: str = "snapshots/default"  # snapshot folder: local (relative = to the project) or fsspec URL
     save_every: int = 1  # write a snapshot every this many epochs (and always at the end of training)
@@ -76,6 +80,8 @@ class TrainerConfig:
                 raise UsageError(f"trainer_config.{name} must be positive or null, got {getattr(self, name)}")
         if self.snapshot_storage_options is not None and not isinstance(self.snapshot_storage_options, dict):
             raise UsageError("trainer_config.snapshot_storage_options must be a mapping, e.g. {key: value}, or null")
+        if self.progress not in PROGRESS_MODES:
+            raise UsageError(f"trainer_config.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
         if self.mixed_precision not in PRECISIONS:
             raise UsageError(
                 f"trainer_config.mixed_precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}"
@@ -150,18 +156,73 @@ def _batch_as_is(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor
 
 
 class MetricsLog:
-    """Appends JSON rows to `metrics.jsonl` in the run directory; a no-op on ranks other than 0."""
+    """Rank 0's metrics: JSON rows appended to `metrics.jsonl`, and TensorBoard scalars when TensorBoard is
+    installed. A no-op on other ranks."""
+
+    TENSORBOARD_TAGS = {
+        "train_loss": "loss/train", "val_loss": "loss/val", "lr": "lr", "tokens_per_s": "throughput/tokens_per_s",
+        "ms_per_step": "throughput/ms_per_step", "grad_norm": "grad_norm", "loss_scale": "loss_scale",
+    }  # fmt: skip
 
     def __init__(self, run_dir: Optional[Path], enabled: bool) -> None:
         self.path = run_dir / "metrics.jsonl" if (run_dir is not None and enabled) else None
+        self._tensorboard = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # TensorBoard is optional
+                return
+            self._tensorboard = SummaryWriter(log_dir=str(run_dir))
 
     def write(self, row: dict) -> None:
         if self.path is None:
             return
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
+        if self._tensorboard is not None:
+            for key, tag in self.TENSORBOARD_TAGS.items():
+                if key in row:
+                    self._tensorboard.add_scalar(tag, row[key], global_step=row["step"])
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+
+
+class Progress:
+    """Rank 0's per-step output: a tqdm bar (steps, loss, tokens/s, lr, time left) on a terminal, or one log line
+    every log_every_steps where output goes to a file (CI, SLURM logs). Other ranks show nothing."""
+
+    def __init__(self, mode: str, enabled: bool, total: int, initial: int) -> None:
+        if mode == "auto":
+            mode = "bar" if sys.stdout.isatty() else "lines"
+        self.mode = mode if enabled else "off"
+        self.bar = None
+        if self.mode == "bar":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stdout,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def report(self, line: str, loss: float, tokens_per_s: float, lr: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.4f}, {tokens_per_s:,.0f} tok/s, lr {lr:.2e}", refresh=True)
+            step_log.info(line, extra={"console": False})  # in train.log; the bar shows it on the terminal
+        elif self.mode == "lines":
+            step_log.info(line)
+        else:
+            step_log.info(line, extra={"console": False})
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 class Trainer:
@@ -192,21 +253,7 @@ class Trainer:
         # GradScaler only for fp16: bf16 has fp32's exponent range and needs no loss scaling.
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=self.amp_dtype == torch.float16)
         self.eval_model, self.ddp, self.model = self._wrap_model(model)
-        self.n_train = len(train_data)
-        self.sampler = ResumableDistributedSampler(train_data, ctx.world_size, ctx.rank, cfg.seed)
-        self.train_loader = self._loader(train_data, self.sampler, drop_last=True)
-        own_val_windows = range(ctx.rank, len(val_data), ctx.world_size)  # disjoint across ranks, no padding
-        self.val_loader = self._loader(val_data, own_val_windows, drop_last=False)
-        self.block_size = self._block_size(train_data)
-        self.global_batch = cfg.batch_size * cfg.grad_accum_steps * ctx.world_size  # windows per optimizer step
-        self.tokens_per_step = self.global_batch * self.block_size
-        self.steps_per_epoch = self.n_train // self.global_batch
-        if self.steps_per_epoch == 0:
-            raise UsageError(
-                f"an optimizer step needs batch_size x grad_accum_steps x processes = "
-                f"{cfg.batch_size} x {cfg.grad_accum_steps} x {ctx.world_size} windows, "
-                f"but the training split has only {self.n_train}"
-            )
+        self._setup_data(train_data, val_data)
         self.metrics = MetricsLog(run_dir, enabled=ctx.is_main)
         # Progress: everything the position in training depends on, saved in snapshots.
         self.step = 0  # optimizer steps done
@@ -218,6 +265,7 @@ class Trainer:
         self._batches: Optional[Iterator] = None
         self._stop_signal: Optional[int] = None
         self._writer: Optional[snapshot_lib.BackgroundWriter] = None
+        self.progress = Progress("off", False, 0, 0)
         self.snapshot_blocked_s: list[float] = []  # training-thread time per snapshot, for reports and bench.py
         self.stopped_early = False
         self.total_steps = self._total_steps()
@@ -236,6 +284,23 @@ class Trainer:
         # gradient_as_bucket_view=True: gradients live inside the all-reduce buckets (no copy, less memory).
         ddp = DDP(compiled, device_ids=device_ids, forward_sync_buffers=False, gradient_as_bucket_view=True)
         return compiled, ddp, ddp
+
+    def _setup_data(self, train_data: Dataset, val_data: Dataset) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        self.n_train = len(train_data)
+        self.sampler = ResumableDistributedSampler(train_data, ctx.world_size, ctx.rank, cfg.seed)
+        self.train_loader = self._loader(train_data, self.sampler, drop_last=True)
+        own_val_windows = range(ctx.rank, len(val_data), ctx.world_size)  # disjoint across ranks, no padding
+        self.val_loader = self._loader(val_data, own_val_windows, drop_last=False)
+        self.global_batch = cfg.batch_size * cfg.grad_accum_steps * ctx.world_size  # windows per optimizer step
+        self.tokens_per_step = self.global_batch * self._block_size(train_data)
+        self.steps_per_epoch = self.n_train // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise UsageError(
+                f"an optimizer step needs batch_size x grad_accum_steps x processes = "
+                f"{cfg.batch_size} x {cfg.grad_accum_steps} x {ctx.world_size} windows, "
+                f"but the training split has only {self.n_train}"
+            )
 
     def _prime_ddp_buckets(self, dataset: Dataset) -> None:
         """One throw-away forward/backward before training, in fresh and resumed runs alike.
@@ -298,19 +363,28 @@ class Trainer:
             self.ctx.device.type, str(self.amp_dtype).removeprefix("torch."), f"{self.tokens_per_step:,}",
         )  # fmt: skip
         self._reset_window()
-        with self._sigterm_requests_stop():
-            while self.step < self.total_steps:
-                self.train_step()
-                self._after_step()
-                if self._stop_agreed():
-                    self._stop_early()
-                    break
+        self.progress = Progress(self.cfg.progress, self.ctx.is_main, self.total_steps, self.step)
+        try:
+            self._train_until_done()
+        finally:
+            self.progress.close()
         if not self.stopped_early:
             if self._last_eval_step != self.step:
                 self._evaluate()
             self.save_snapshot("end of training")
         self.wait_for_snapshot()  # the last snapshot must be complete before the process exits
         self._finish()
+        self.metrics.close()
+
+    def _train_until_done(self) -> None:
+        with self._sigterm_requests_stop():
+            while self.step < self.total_steps:
+                self.train_step()
+                self.progress.advance()
+                self._after_step()
+                if self._stop_agreed():
+                    self._stop_early()
+                    break
 
     def train_step(self) -> None:
         """One optimizer step on the next batches of the epoch (bench.py times exactly this)."""
@@ -551,11 +625,9 @@ class Trainer:
         if self.scaler.is_enabled():
             row["loss_scale"] = self.scaler.get_scale()
         self.metrics.write(row)
-        log.info(
-            "step %d/%d | epoch %d | loss %.4f | lr %.2e | %s tok/s | %.1f ms/step",
-            self.step, self.total_steps, self.epoch, train_loss, self._last_lr, f"{tokens_per_s:,.0f}",
-            row["ms_per_step"],
-        )  # fmt: skip
+        line = (f"step {self.step}/{self.total_steps} | epoch {self.epoch} | loss {train_loss:.4f} | "
+                f"lr {self._last_lr:.2e} | {tokens_per_s:,.0f} tok/s | {row['ms_per_step']:.1f} ms/step")  # fmt: skip
+        self.progress.report(line, train_loss, tokens_per_s, self._last_lr)
         self._reset_window()
 
     @torch.no_grad()

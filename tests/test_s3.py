@@ -116,3 +116,15 @@ def test_credentials_in_storage_options_are_not_written_anywhere(tmp_path, s3, s
     assert key.encode() not in body and secret.encode() not in body
     saved = snap.from_bytes(body, "s3")["train_config"]["trainer_config"]["snapshot_storage_options"]
     assert saved == {"key": "***", "secret": "***"}
+
+
+def test_sample_from_an_s3_snapshot_is_deterministic(tmp_path, s3):
+    s3.create_bucket(Bucket="gen")
+    result = run_cli(args_for("s3://gen/r/", tmp_path / "run", max_steps=10), tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    command = [sys.executable, str(PROJECT_DIR / "sample.py"), "snapshot=s3://gen/r/", "max_new_tokens=40", "seed=7"]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    again = subprocess.run([*command[:-1], "snapshot=s3://gen/r/snapshot-000000010.pt", "seed=7"],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert len(first.stdout.rstrip("\n")) == 1 + 40 and first.stdout == again.stdout

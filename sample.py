@@ -1,0 +1,155 @@
+"""Generate text from a snapshot alone (local or any fsspec URL, e.g. s3://).
+
+    python sample.py snapshot=snapshots/cpu prompt="ROMEO:" max_new_tokens=500 temperature=0.8 top_k=40 seed=1
+    python sample.py snapshot=s3://bucket/run1/snapshot-000005000.pt num_samples=3
+    python sample.py snapshot=snapshots/cpu prompt_file=prompt.txt top_k=null
+
+`snapshot` is a snapshot file, or a snapshot folder (its newest valid snapshot is used). Settings are Hydra-style
+overrides of `sample_cfg.yaml`. The same seed gives the same text (on the same device).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import fsspec
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from char_dataset import CharVocab, resolve_path
+from errors import UsageError
+from model import GPT, GPTConfig
+from snapshot import NAME_PATTERN, CorruptSnapshot, SnapshotStore, from_bytes
+
+
+@dataclass
+class SampleConfig:
+    """What to generate, and from which snapshot."""
+
+    snapshot: str = MISSING  # snapshot file or folder (newest valid one): local path (relative = project) or URL
+    prompt: str = "\n"  # text the samples continue
+    prompt_file: Optional[str] = None  # read the prompt from this UTF-8 file instead (local path or URL)
+    max_new_tokens: int = 500  # characters generated per sample
+    temperature: float = 0.8  # < 1 more conservative, > 1 more adventurous
+    top_k: Optional[int] = 40  # sample only from the k likeliest characters; null = all
+    seed: int = 1  # the same seed gives the same text
+    num_samples: int = 1  # independent samples, printed one after another
+    device: str = "cpu"  # cpu, cuda, cuda:N, or auto (cuda when available)
+    storage_options: Any = None  # extra fsspec options for reading the snapshot (credentials: use the environment)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0 or self.num_samples <= 0:
+            raise UsageError("max_new_tokens must be >= 0 and num_samples positive")
+        if self.temperature <= 0:
+            raise UsageError(f"temperature must be positive, got {self.temperature}")
+        if self.top_k is not None and self.top_k <= 0:
+            raise UsageError(f"top_k must be positive or null, got {self.top_k}")
+
+
+ConfigStore.instance().store(name="sample_schema", node=SampleConfig)
+
+
+def load_snapshot(location: str, storage_options: Optional[dict] = None) -> dict:
+    """A snapshot file, or the newest valid snapshot in a folder."""
+    url = resolve_path(location).rstrip("/")
+    folder, _, name = url.rpartition("/")
+    if NAME_PATTERN.match(name):
+        store = SnapshotStore(folder or ".", storage_options)
+        try:
+            return from_bytes(store.read(name), url)
+        except FileNotFoundError:
+            raise UsageError(f"no such snapshot: {url}") from None
+        except CorruptSnapshot as e:
+            raise UsageError(f"snapshot {e}") from None
+    found = SnapshotStore(url, storage_options).load_newest_valid()
+    if found is None:
+        raise UsageError(f"no snapshot found at {url}")
+    return found[1]
+
+
+def model_from_snapshot(snapshot: dict, device: torch.device) -> tuple[GPT, CharVocab]:
+    model = GPT(GPTConfig(**snapshot["model_config"]))
+    model.load_state_dict(snapshot["model"])
+    return model.to(device).eval(), CharVocab(snapshot["vocab"])
+
+
+def generate_text(
+    model: GPT, vocab: CharVocab, prompt: str, max_new_tokens: int, temperature: float, top_k: Optional[int],
+    generator: torch.Generator,
+) -> str:  # fmt: skip
+    """The prompt followed by `max_new_tokens` sampled characters."""
+    if not prompt:
+        raise UsageError("the prompt is empty")
+    device = next(model.parameters()).device
+    ids = vocab.encode(prompt).to(device)[None, :]
+    out = model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+    return vocab.decode(out[0])
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"device={name} but CUDA is not available")
+    return torch.device(name)
+
+
+def _read_prompt(cfg: SampleConfig) -> str:
+    if cfg.prompt_file is None:
+        return cfg.prompt
+    url = resolve_path(cfg.prompt_file)
+    try:
+        with fsspec.open(url, "rb") as f:
+            return f.read().decode("utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"prompt file not found: {url}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"prompt file {url} is not UTF-8 text") from None
+
+
+def run(cfg: SampleConfig) -> list[str]:
+    device = _device(cfg.device)
+    model, vocab = model_from_snapshot(load_snapshot(cfg.snapshot, cfg.storage_options), device)
+    prompt = _read_prompt(cfg)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    return [
+        generate_text(model, vocab, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, generator)
+        for _ in range(cfg.num_samples)
+    ]
+
+
+@hydra.main(version_base="1.3", config_path=".", config_name="sample_cfg")
+def hydra_main(cfg: DictConfig) -> None:
+    try:
+        if OmegaConf.is_missing(cfg, "snapshot"):
+            raise UsageError("which snapshot? pass snapshot=PATH_OR_URL (a snapshot file or folder)")
+        options = cfg.storage_options
+        settings = SampleConfig(**{**OmegaConf.to_container(cfg, resolve=True), "storage_options": (
+            OmegaConf.to_container(options) if OmegaConf.is_config(options) else options)})  # fmt: skip
+        samples = run(settings)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    for i, text in enumerate(samples):
+        if i:
+            print("\n" + "-" * 40)
+        print(text)
+
+
+def cli() -> None:
+    from main import precheck_config_overrides
+
+    try:
+        precheck_config_overrides("sample_cfg", sys.argv[1:])
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    hydra_main()
+
+
+if __name__ == "__main__":
+    cli()

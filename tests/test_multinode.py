@@ -1,0 +1,40 @@
+"""Two torchrun agents (--nnodes=2, one process each) meeting through c10d rendezvous on 127.0.0.1."""
+
+import json
+import socket
+import subprocess
+
+from conftest import PROJECT_DIR, TINY, TORCHRUN, subprocess_env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_train_to_the_end_with_identical_weights(tmp_path):
+    port = _free_port()
+    run_dir, snaps = tmp_path / "run", tmp_path / "snaps"
+    env = subprocess_env(tmp_path)
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    agents = []
+    for node_rank in (0, 1):
+        command = [
+            *TORCHRUN, "--nnodes=2", f"--node_rank={node_rank}", "--nproc_per_node=1",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes",
+            str(PROJECT_DIR / "main.py"), *TINY, "trainer_config.max_steps=30", "trainer_config.save_every_steps=1000",
+            f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}",
+        ]  # fmt: skip
+        log = (tmp_path / f"node{node_rank}.log").open("w")
+        agents.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
+    codes = [agent.wait(timeout=240) for agent in agents]
+    logs = [(tmp_path / f"node{n}.log").read_text() for n in (0, 1)]
+    assert codes == [0, 0], logs
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 30
+    assert len(set(summary["rank_weights_sha256"])) == 1 and summary["replicas_identical"]
+    # One snapshot (the end of training), written once, by global rank 0 only.
+    assert [p.name for p in snaps.iterdir()] == ["snapshot-000000030.pt"]
+    saves = sum(log.count("snapshot-000000030.pt saved") for log in logs)
+    assert saves == 1, logs
