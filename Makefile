@@ -1,7 +1,6 @@
 # Two commands do all the set-up:  make run  (install + CPU quick-start)   make test  (install + tests)
 PYTHON ?= python3
 VENV ?= .venv
-NPROC ?= 2
 
 .PHONY: install run test clean
 
@@ -14,7 +13,7 @@ install: $(VENV)/.installed
 
 # The CPU quick-start on the bundled tiny-shakespeare text (see README); any Hydra override via ARGS="...".
 run: install
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) main.py preset=cpu $(ARGS)
+	$(VENV)/bin/python main.py preset=cpu $(ARGS)
 
 test: install
 	$(VENV)/bin/python -m pytest $(ARGS)
