@@ -1,6 +1,6 @@
 """Snapshots: what they hold, turning them into bytes and back, atomic writes, finding the newest valid one.
 
-    python snapshot.py info snapshots/default/snapshot-000002000.pt      # one JSON object
+    python snapshot.py info snapshots/default/snapshot-000002000.pt      # one JSON object (relative = project)
     python snapshot.py info s3://bucket/run1/snapshot-000002000.pt
     python snapshot.py list s3://bucket/run1/                            # the snapshots there, newest first
 
@@ -37,6 +37,7 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+from char_dataset import resolve_path
 from errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -363,7 +364,7 @@ def cli(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
         if args.command == "info":
-            location, name = _split_location(args.path)
+            location, name = _split_location(resolve_path(args.path))
             store = SnapshotStore(location)
             try:
                 data = store.read(name)
@@ -371,7 +372,7 @@ def cli(argv: Optional[list[str]] = None) -> int:
                 raise UsageError(f"no such snapshot: {args.path}") from None
             print(json.dumps(summary(from_bytes(data, args.path))))
         else:
-            store = SnapshotStore(args.location)
+            store = SnapshotStore(resolve_path(args.location))
             for entry in store.entries():
                 size = store.fs.size(store._path(entry.name))
                 print(json.dumps({"name": entry.name, "step": entry.step, "bytes": size, "url": store.url(entry.name)}))

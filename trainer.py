@@ -267,6 +267,7 @@ class Trainer:
         self._stop_signal: Optional[int] = None
         self._writer: Optional[snapshot_lib.BackgroundWriter] = None
         self.progress = Progress("off", False, 0, 0)
+        self._fit_start = time.perf_counter()
         self.snapshot_blocked_s: list[float] = []  # training-thread time per snapshot, for reports and bench.py
         self.stopped_early = False
         self.total_steps = self._total_steps()
@@ -630,6 +631,7 @@ class Trainer:
             "lr": self._last_lr,
             "tokens_per_s": round(tokens_per_s, 1),
             "ms_per_step": round(1000 * elapsed / max(1, steps), 2),
+            "elapsed_s": round(time.perf_counter() - self._fit_start, 2),  # since this process started fit()
         }
         if self._grad_norm is not None:
             row["grad_norm"] = round(self._grad_norm.item(), 6)
@@ -664,7 +666,8 @@ class Trainer:
         val_loss = (loss_sum / count).item()
         self.last_val_loss = val_loss
         self._last_eval_step = self.step
-        self.metrics.write({"step": self.step, "epoch": self.epoch, "val_loss": round(val_loss, 6)})
+        self.metrics.write({"step": self.step, "epoch": self.epoch, "val_loss": round(val_loss, 6),
+                            "elapsed_s": round(time.perf_counter() - self._fit_start, 2)})  # fmt: skip
         log.info("step %d | epoch %d | val loss %.4f (%.1f s)", self.step, self.epoch, val_loss,
                  time.perf_counter() - start)  # fmt: skip
         self._window_start += time.perf_counter() - start  # evaluation time does not count against tokens/s
