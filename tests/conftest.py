@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -117,3 +118,10 @@ def logged_step(run_dir: Path) -> int:
         return 0
     steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if "train_loss" in line]
     return max(steps, default=0)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

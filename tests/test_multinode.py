@@ -1,20 +1,13 @@
 """Two torchrun agents (--nnodes=2, one process each) meeting through c10d rendezvous on 127.0.0.1."""
 
 import json
-import socket
 import subprocess
 
-from conftest import PROJECT_DIR, TINY, TORCHRUN, subprocess_env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import PROJECT_DIR, TINY, TORCHRUN, free_port, subprocess_env
 
 
 def test_two_nodes_train_to_the_end_with_identical_weights(tmp_path):
-    port = _free_port()
+    port = free_port()
     run_dir, snaps = tmp_path / "run", tmp_path / "snaps"
     env = subprocess_env(tmp_path)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

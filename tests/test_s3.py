@@ -4,7 +4,6 @@ s3fs in the training processes, and checked with a separate client (boto3)."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -12,20 +11,14 @@ import boto3
 import pytest
 
 import snapshot as snap
-from conftest import PROJECT_DIR, TINY, child_pids, logged_step, run_cli, start_cli, wait_for
+from conftest import PROJECT_DIR, TINY, child_pids, free_port, logged_step, run_cli, start_cli, wait_for
 
 moto_server = pytest.importorskip("moto.server")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
     server.start()
     try:
         host, port = server.get_host_and_port()
