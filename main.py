@@ -73,11 +73,10 @@ def _first_line(text: str) -> str:
 
 def compose_config(overrides: list[str]) -> TrainConfig:
     """gpt2_train_cfg.yaml + overrides as validated dataclasses, for tools other than training (bench.py)."""
-    precheck_overrides(overrides)
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(PROJECT_DIR), version_base="1.3"):
-        return to_dataclasses(compose(config_name=CONFIG_NAME, overrides=overrides))
+    composed = precheck_config_overrides(CONFIG_NAME, overrides)
+    if composed is None:
+        raise UsageError(f"unknown options: {' '.join(a for a in overrides if a.startswith('-'))}")
+    return to_dataclasses(composed)
 
 
 def precheck_config_overrides(config_name: str, overrides: list[str]) -> Optional[DictConfig]:

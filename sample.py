@@ -23,7 +23,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from char_dataset import CharVocab, resolve_path
 from errors import UsageError
 from model import GPT, GPTConfig
-from snapshot import NAME_PATTERN, CorruptSnapshot, SnapshotStore, from_bytes
+from snapshot import NAME_PATTERN, CorruptSnapshot, SnapshotStore, read_file
 
 
 @dataclass
@@ -56,13 +56,9 @@ ConfigStore.instance().store(name="sample_schema", node=SampleConfig)
 def load_snapshot(location: str, storage_options: Optional[dict] = None) -> dict:
     """A snapshot file, or the newest valid snapshot in a folder."""
     url = resolve_path(location).rstrip("/")
-    folder, _, name = url.rpartition("/")
-    if NAME_PATTERN.match(name):
-        store = SnapshotStore(folder or ".", storage_options)
+    if NAME_PATTERN.match(url.rpartition("/")[2]):
         try:
-            return from_bytes(store.read(name), url)
-        except FileNotFoundError:
-            raise UsageError(f"no such snapshot: {url}") from None
+            return read_file(url, storage_options)
         except CorruptSnapshot as e:
             raise UsageError(f"snapshot {e}") from None
     found = SnapshotStore(url, storage_options).load_newest_valid()
@@ -122,18 +118,19 @@ def run(cfg: SampleConfig) -> list[str]:
     ]
 
 
+def _exit_with(error: UsageError) -> None:
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 @hydra.main(version_base="1.3", config_path=".", config_name="sample_cfg")
 def hydra_main(cfg: DictConfig) -> None:
     try:
         if OmegaConf.is_missing(cfg, "snapshot"):
             raise UsageError("which snapshot? pass snapshot=PATH_OR_URL (a snapshot file or folder)")
-        options = cfg.storage_options
-        settings = SampleConfig(**{**OmegaConf.to_container(cfg, resolve=True), "storage_options": (
-            OmegaConf.to_container(options) if OmegaConf.is_config(options) else options)})  # fmt: skip
-        samples = run(settings)
+        samples = run(SampleConfig(**OmegaConf.to_container(cfg, resolve=True)))
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _exit_with(e)
     for i, text in enumerate(samples):
         if i:
             print("\n" + "-" * 40)
@@ -146,8 +143,7 @@ def cli() -> None:
     try:
         precheck_config_overrides("sample_cfg", sys.argv[1:])
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _exit_with(e)
     hydra_main()
 
 

@@ -348,9 +348,15 @@ def summary(snapshot: dict) -> dict:
     }
 
 
-def _split_location(path_or_url: str) -> tuple[str, str]:
-    location, _, name = path_or_url.rstrip("/").rpartition("/")
-    return (location or "."), name
+def read_file(path_or_url: str, storage_options: Optional[dict] = None) -> dict:
+    """One snapshot file (relative paths = to the project), verified; a missing file is a UsageError."""
+    url = resolve_path(path_or_url).rstrip("/")
+    location, _, name = url.rpartition("/")
+    try:
+        data = SnapshotStore(location or ".", storage_options).read(name)
+    except FileNotFoundError:
+        raise UsageError(f"no such snapshot: {url}") from None
+    return from_bytes(data, url)
 
 
 def cli(argv: Optional[list[str]] = None) -> int:
@@ -364,13 +370,7 @@ def cli(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
         if args.command == "info":
-            location, name = _split_location(resolve_path(args.path))
-            store = SnapshotStore(location)
-            try:
-                data = store.read(name)
-            except FileNotFoundError:
-                raise UsageError(f"no such snapshot: {args.path}") from None
-            print(json.dumps(summary(from_bytes(data, args.path))))
+            print(json.dumps(summary(read_file(args.path))))
         else:
             store = SnapshotStore(resolve_path(args.location))
             for entry in store.entries():
