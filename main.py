@@ -238,7 +238,7 @@ def build_trainer(
     torch.manual_seed(cfg.trainer_config.seed)  # identical initial weights on every rank
     model = GPT(gpt_cfg).to(ctx.device)
     log.info("model: %s parameters", f"{model.num_params():,}")
-    optimizer = build_optimizer(model, cfg.optimizer_config, fused=ctx.device.type == "cuda")
+    optimizer = build_optimizer(model, cfg.optimizer_config)
     schedule = functools.partial(_lr_at, opt_cfg=cfg.optimizer_config)
     tc = cfg.trainer_config
     store = SnapshotStore(resolve_path(tc.snapshot_path), tc.snapshot_storage_options) if with_snapshots else None

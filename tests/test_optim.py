@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -22,13 +24,25 @@ def test_explicit_decay_steps():
     assert learning_rate(25, cfg, total_steps=1000) == pytest.approx(5e-4)
 
 
-def test_optimizer_groups_and_foreach_on_cpu():
+def test_optimizer_groups_and_fused_kernel_match_reference_adamw():
     torch.manual_seed(0)
-    gpt = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, vocab_size=10, block_size=4))
-    opt = build_optimizer(gpt, OptimizerConfig(weight_decay=0.1, beta2=0.95), fused=False)
+    gpt = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, vocab_size=10, block_size=4, dropout=0.0))
+    reference = copy.deepcopy(gpt)
+    cfg = OptimizerConfig(weight_decay=0.1, beta2=0.95)
+    opt = build_optimizer(gpt, cfg)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
-    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
-    assert opt.defaults["betas"] == (0.9, 0.95)
+    assert opt.defaults["fused"] is True and opt.defaults["betas"] == (0.9, 0.95)
+    # The fused CPU kernel must be the same AdamW as PyTorch's plain for-loop implementation.
+    ref_opt = torch.optim.AdamW(reference.param_groups(cfg.weight_decay), lr=cfg.learning_rate,
+                                betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)  # fmt: skip
+    idx = torch.randint(0, 10, (3, 4))
+    for model, optimizer in ((gpt, opt), (reference, ref_opt)):
+        for _ in range(3):
+            model(idx, idx)[1].backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    for (name, p), q in zip(gpt.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ def make_trainer(tmp_path=None, dropout=0.0, **trainer_kwargs) -> Trainer:
                           block_size=16))
     opt_cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3)
     cfg = TrainerConfig(**{"mixed_precision": "fp32", "log_every_steps": 5, **trainer_kwargs})
-    return Trainer(cfg, model, build_optimizer(model, opt_cfg, fused=False),
+    return Trainer(cfg, model, build_optimizer(model, opt_cfg),
                    lambda step, total: learning_rate(step, opt_cfg, total),
                    corpus.train_dataset(), corpus.val_dataset(), DistContext(), tmp_path)
 
