@@ -17,6 +17,9 @@ import functools
 import logging
 import os
 import sys
+import time
+import traceback
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -165,6 +168,53 @@ def scrub_hydra_output(run_dir: Path, cfg: DictConfig) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- processes
+def _this_attempts_store(rank: int, world_size: int, timeout: datetime.timedelta) -> Optional[dist.Store]:
+    """A namespace of torchrun's store that no earlier attempt (restart) of this job has used; None if not needed.
+
+    torchrun's c10d rendezvous (the default of --standalone and of the multi-node form) hands the workers the
+    agent's own TCPStore (MASTER_ADDR:MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE=True) and keeps that same store
+    server for every restart: DynamicRendezvousHandler.next_rendezvous (torch/distributed/elastic/rendezvous/
+    dynamic_rendezvous.py) creates it only while `_bootstrap_store_info` is None, i.e. in the first round. The
+    default process group's keys (`default_pg/0//cpu//0/<rank>`: each gloo rank's listening address; NCCL's
+    unique id) therefore survive a restart, and a restarted rank may read a peer's address of the previous attempt
+    before the peer has overwritten it: "Gloo connectFullMesh failed ... Connection refused" (or a hang in
+    connect), which burns one of --max-restarts. (TORCHELASTIC_RESTART_COUNT cannot name the attempt: each node's
+    agent counts its own restarts.) TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment avoids it by
+    having global rank 0 host a new store on a new port each attempt; this does the same inside the shared store,
+    so the documented commands need no variable.
+
+    The ranks agree on a fresh random token that no stale key can imitate: rank 0 publishes its token; every
+    other rank answers under the token it read with a token of its own, and accepts the token once rank 0 has
+    confirmed that answer under a key named after its own token, which no earlier attempt can have written. A
+    rank that read an earlier attempt's token is never confirmed; it polls until the token changes and answers
+    again. The process group then lives under `mingpt/<token>/pg/` in the same store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or world_size == 1:
+        return None  # a store created for this attempt (env:// with rank 0 hosting it), or nothing to share
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)  # fmt: skip
+    mine = uuid.uuid4().hex
+    if rank == 0:
+        store.set("mingpt/attempt", mine)
+        answers = [f"mingpt/{mine}/answer/{r}" for r in range(1, world_size)]
+        store.wait(answers)  # every other rank has answered under this attempt's token
+        store.multi_set([f"mingpt/{mine}/ok/{t.decode()}" for t in store.multi_get(answers)], ["1"] * len(answers))
+        token = mine
+    else:
+        deadline, token = time.monotonic() + timeout.total_seconds(), ""
+        while True:
+            current = store.get("mingpt/attempt").decode()  # waits until a first attempt has published one
+            if current != token:  # (again) answer under the newest token: an earlier attempt's is never confirmed
+                token = current
+                store.set(f"mingpt/{token}/answer/{rank}", mine)
+            if store.check([f"mingpt/{token}/ok/{mine}"]):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}: no confirmation from rank 0 within {timeout}")
+            time.sleep(0.05)
+    return dist.PrefixStore(f"mingpt/{token}/pg", store)
+
+
 def setup_distributed() -> DistContext:
     """Join the process group torchrun describes in the environment; without RANK, run as a single process."""
     cuda = torch.cuda.is_available()
@@ -172,13 +222,16 @@ def setup_distributed() -> DistContext:
         return DistContext(device=torch.device("cuda:0" if cuda else "cpu"))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(minutes=10)
+    store = _this_attempts_store(rank, world_size, timeout)  # restarts under torchrun: see there
+    group = {"store": store, "rank": rank, "world_size": world_size} if store is not None else {}
     if cuda:
         device = torch.device(f"cuda:{local_rank}")
         torch.cuda.set_device(device)  # before init_process_group, so NCCL binds this process to its own GPU
-        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group("nccl", device_id=device, timeout=timeout, **group)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group("gloo", timeout=timeout, **group)
     return DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 

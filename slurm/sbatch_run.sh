@@ -38,8 +38,11 @@ HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 echo "nodes=$NODES gpus_per_node=$GPUS_PER_NODE head=$HEAD_NODE:$RDZV_PORT snapshots=$SNAPSHOT_PATH"
 
-# Restarted gloo workers otherwise may try to reach the previous attempt's addresses (see README).
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+# Restarts: torchrun keeps one rendezvous TCPStore for all restarts of the job, so a restarted worker can read a
+# peer's address left by the previous attempt (gloo "Connection refused", NCCL connect errors) and the restart
+# is lost. main.py (setup_distributed) gives every attempt a fresh namespace in that store, so nothing needs to
+# be set here. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (rank 0's worker hosting a new store each attempt) is no
+# longer needed; it does no harm if your site sets it.
 
 # --rdzv-id is the job id: every node (and every restart) joins the same rendezvous, and the run directory
 # (outputs/<run id>) is the same on every node.

@@ -41,6 +41,7 @@ def subprocess_env(tmp_path: Path) -> dict[str, str]:
     env["TMPDIR"] = str(tmp_path)  # torchrun's torchelastic_* folders
     env.pop("RANK", None)
     env.pop("TORCHELASTIC_RUN_ID", None)
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # tests run the commands as the README gives them
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -78,8 +79,6 @@ def start_cli(args: list[str], tmp_path: Path, nproc: int, max_restarts: int = 0
               extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `torchrun --standalone` in the background; its output goes to tmp_path/log_name."""
     env = subprocess_env(tmp_path)
-    # Restarted gloo workers otherwise may try to reach the previous attempt's addresses (see README).
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.update(extra_env or {})
     launcher = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}"]
     return subprocess.Popen(

@@ -10,7 +10,6 @@ def test_two_nodes_train_to_the_end_with_identical_weights(tmp_path):
     port = free_port()
     run_dir, snaps = tmp_path / "run", tmp_path / "snaps"
     env = subprocess_env(tmp_path)
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     agents = []
     for node_rank in (0, 1):
         command = [

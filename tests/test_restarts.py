@@ -1,0 +1,53 @@
+"""Restarts that always come back: the documented command, `torchrun --standalone --nproc_per_node=2
+--max-restarts=10 main.py ...`, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE, has a worker SIGKILLed 10 times in a
+row. With --max-restarts=10, a single restart that fails to reconnect (the failure setup_distributed in main.py
+guards against) would use up a restart and end the job at the 10th kill."""
+
+import os
+import signal
+import subprocess
+
+from conftest import PROJECT_DIR, TINY, TORCHRUN, child_pids, read_metrics, subprocess_env, wait_for
+
+KILLS = 10
+
+
+def test_ten_sigkilled_workers_in_a_row_all_come_back(tmp_path):
+    snaps, run_dir = tmp_path / "snaps", tmp_path / "run"
+    args = [*TINY, "trainer_config.max_steps=100000", "trainer_config.log_every_steps=1",
+            "trainer_config.save_every_steps=2", "trainer_config.eval_every_steps=100000",
+            f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    env = subprocess_env(tmp_path)
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # as users type it
+    command = [*TORCHRUN, "--standalone", "--nproc_per_node=2", f"--max-restarts={KILLS}",
+               str(PROJECT_DIR / "main.py"), *args]  # fmt: skip
+    log_path = tmp_path / "launch.log"
+    with log_path.open("w") as log:
+        job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    rows = lambda: len(read_metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0  # noqa: E731
+    try:
+        came_back, previous = 0, []
+        for attempt in range(KILLS + 1):
+            new_workers = lambda: (  # noqa: E731
+                (w := child_pids(job.pid)) and len(w) == 2 and not set(w) & set(previous) and w
+            )
+            workers = wait_for(lambda: new_workers() or job.poll() is not None, timeout=180, what="new workers")
+            assert job.poll() is None, f"job ended after {came_back} restarts:\n" + log_path.read_text()[-3000:]
+            start = rows()  # 3 steps and a complete snapshot, so that the next attempt has one to resume from
+            trained = lambda: rows() >= start + 3 and list(snaps.glob("snapshot-*.pt"))  # noqa: E731
+            wait_for(lambda: trained() or job.poll() is not None, timeout=180, what=f"attempt {attempt}'s steps")
+            assert job.poll() is None, f"job ended after {came_back} restarts:\n" + log_path.read_text()[-3000:]
+            if attempt > 0:
+                came_back += 1  # this attempt joined the process group, resumed and trained
+            if attempt < KILLS:
+                os.kill(workers[attempt % 2], signal.SIGKILL)  # each of the two workers in turn
+                previous = workers
+        assert came_back == KILLS
+        assert (run_dir / "train.log").read_text().count("resumed from") == KILLS
+    finally:  # torchrun starts each worker in a session of its own: kill them one by one, then the agent
+        for pid in [*child_pids(job.pid), job.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        job.wait()
