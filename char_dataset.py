@@ -55,14 +55,22 @@ def read_text(path: str) -> str:
     try:
         with fsspec.open(url, "rb") as f:
             raw = f.read()
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        cause = e.__cause__
+        if isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError):
+            # fsspec's HTTP filesystem reports an unreachable server as FileNotFoundError; say what really failed
+            raise UsageError(f"cannot read data file {url}: {type(cause).__name__}: {_first_line(cause)}") from None
         raise UsageError(f"data file not found: {url}") from None
-    except (IsADirectoryError, PermissionError, OSError, ValueError, ImportError) as e:
-        raise UsageError(f"cannot read data file {url}: {type(e).__name__}: {e}") from None
+    except Exception as e:  # no permission, unreachable server, missing credentials, unknown protocol, ...
+        raise UsageError(f"cannot read data file {url}: {type(e).__name__}: {_first_line(e)}") from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UsageError(f"data file {url} is not UTF-8 text (invalid byte at offset {e.start})") from None
+
+
+def _first_line(error: BaseException) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), "") or repr(error)
 
 
 class CharVocab:

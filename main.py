@@ -62,7 +62,25 @@ ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 def _global_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    rank = os.environ.get("RANK", "0")
+    return int(rank) if rank.isdigit() else 0  # a RANK that is not a number is reported by check_launch_environment
+
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_launch_environment() -> None:
+    """RANK without the rest of what torchrun sets (a variable leaked from another job, a hand-made launch) would
+    fail deep inside torch.distributed; say what is missing instead."""
+    if "RANK" not in os.environ:
+        return
+    missing = [name for name in TORCHRUN_VARIABLES if not os.environ.get(name)]
+    if missing:
+        raise UsageError(f"RANK is set but {', '.join(missing)} is not: launch with torchrun, or unset RANK to run "
+                         f"a single process")  # fmt: skip
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        if not os.environ[name].isdigit():
+            raise UsageError(f"environment variable {name}={os.environ[name]!r} is not a number")
 
 
 # Every rank runs @hydra.main, but only global rank 0 may write Hydra's .hydra/ folder (config, overrides).
@@ -149,18 +167,21 @@ def _secret_strings(value: Any) -> list[str]:
     return [str(value)] if value is not None and len(str(value)) >= 4 else []
 
 
-def scrub_hydra_output(run_dir: Path, cfg: DictConfig) -> None:
-    """Hydra saves the config and the overrides in <run dir>/.hydra; mask any storage option value there.
+def scrub_hydra_output(run_dir: Path, cfg: DictConfig, sweep_dir: Optional[Path] = None) -> None:
+    """Hydra saves the config and the overrides in <run dir>/.hydra (and a sweep's in <sweep dir>/multirun.yaml);
+    mask any storage option value there.
 
     Credentials belong in the environment (AWS_ACCESS_KEY_ID, ...), but one passed as an override must still not
     end up on disk."""
     node = cfg.trainer_config.snapshot_storage_options
     options = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
     secrets = sorted(set(_secret_strings(options)), key=len, reverse=True)
-    hydra_dir = run_dir / ".hydra"
-    if not secrets or not hydra_dir.is_dir():
+    paths = list((run_dir / ".hydra").glob("*.yaml"))
+    if sweep_dir is not None and (sweep_dir / "multirun.yaml").is_file():
+        paths.append(sweep_dir / "multirun.yaml")
+    if not secrets:
         return
-    for path in hydra_dir.glob("*.yaml"):
+    for path in paths:
         text = path.read_text(encoding="utf-8")
         for secret in secrets:
             text = text.replace(secret, "***")
@@ -273,6 +294,10 @@ def setup_logging(rank: int, run_dir: Optional[Path]) -> None:
         root.addHandler(handler)
     root.setLevel(level)
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache notices are not ours
+    logging.getLogger("botocore").setLevel(logging.WARNING)  # "Found endpoint for s3 via: ..." and the like
+    # When S3 drops a connection mid-upload, aiohttp (under s3fs) leaves asyncio "Future exception was never
+    # retrieved" reports, each a traceback; the failed save itself is reported in one line by the snapshot writer.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
 def configure_device(device: torch.device) -> None:
@@ -308,6 +333,7 @@ def build_trainer(
 
 def train(cfg: TrainConfig, run_dir: Path) -> None:
     corpus = CharCorpus.load(cfg.data_config)  # bad data fails here, before any process group
+    check_launch_environment()
     ctx = setup_distributed()
     try:
         setup_logging(ctx.rank, run_dir)
@@ -354,7 +380,8 @@ def hydra_main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     if _global_rank() == 0:
-        scrub_hydra_output(run_dir, cfg)
+        sweep_dir = Path(hydra_cfg.sweep.dir) if hydra_cfg.mode == RunMode.MULTIRUN else None
+        scrub_hydra_output(run_dir, cfg, sweep_dir)
     try:
         settings = to_dataclasses(cfg)
         if hydra_cfg.mode == RunMode.MULTIRUN:
@@ -365,6 +392,11 @@ def hydra_main(cfg: DictConfig) -> None:
     except UsageError as e:
         _report_usage_error(e)
         sys.exit(2)
+    except Exception:
+        # A bug: keep the whole traceback, but not Hydra's own report, whose first line repeats every override
+        # (snapshot_storage_options values included) into the job's log.
+        traceback.print_exc()
+        sys.exit(1)
 
 
 def sweep_job_name(argv: list[str], job_overrides: list[str]) -> str:

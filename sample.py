@@ -61,16 +61,29 @@ def load_snapshot(location: str, storage_options: Optional[dict] = None) -> dict
             return read_file(url, storage_options)
         except CorruptSnapshot as e:
             raise UsageError(f"snapshot {e}") from None
-    found = SnapshotStore(url, storage_options).load_newest_valid()
+    try:
+        found = SnapshotStore(url, storage_options).load_newest_valid()
+    except UsageError:
+        raise
+    except Exception as e:  # no permission, no credentials, an unreachable store, ...
+        raise UsageError(f"cannot read snapshots in {url}: {type(e).__name__}: {_brief(e)}") from None
     if found is None:
         raise UsageError(f"no snapshot found at {url}")
     return found[1]
 
 
 def model_from_snapshot(snapshot: dict, device: torch.device) -> tuple[GPT, CharVocab]:
-    model = GPT(GPTConfig(**snapshot["model_config"]))
-    model.load_state_dict(snapshot["model"])
+    try:
+        model = GPT(GPTConfig(**snapshot["model_config"]))
+        model.load_state_dict(snapshot["model"])
+    except (TypeError, ValueError, RuntimeError) as e:  # weights that do not fit the snapshot's own model config
+        raise UsageError(f"the snapshot's weights do not match its model config: {_brief(e)}") from None
     return model.to(device).eval(), CharVocab(snapshot["vocab"])
+
+
+def _brief(error: BaseException) -> str:
+    """An error as one line of at most 300 characters (load_state_dict's first line alone says nothing)."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())[:300]
 
 
 def generate_text(

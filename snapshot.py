@@ -12,13 +12,16 @@ version. Dropout needs no saved RNG state: the trainer reseeds it from (seed, st
 
 Storage goes through fsspec: a local folder or any URL (`s3://...` through s3fs). A snapshot is never visible
 half-written: locally it is written to a temporary file in the same folder, fsynced and renamed into place; on an
-object store it is one object, which appears only when its upload completes. Knows nothing of the training loop.
+object store it is one object, which appears only when its upload completes. A write that fails is retried with
+backoff and then reported in one line; the snapshots already there stay as they are. Knows nothing of the training
+loop.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import errno
 import hashlib
 import io
 import json
@@ -46,6 +49,22 @@ FORMAT_VERSION = 1
 NAME_PATTERN = re.compile(r"^snapshot-(\d{9})\.pt$")
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "bias", "vocab_size", "block_size")
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "progress", "model_config", "vocab", "integrity_sha256")
+REQUIRED_TYPES = {"format_version": int, "model": dict, "optimizer": dict, "progress": dict, "model_config": dict,
+                  "vocab": str, "integrity_sha256": str}  # fmt: skip
+
+# A save that fails is tried again: a store that is briefly unreachable (an S3 endpoint restarting, a network blip)
+# should not cost a snapshot, and one that stays down must not hold up the run for long either (the next periodic
+# save tries again anyway). Waits between attempts double: 1, 2, 4 s, so a save gives up after ~7 s plus its attempts.
+SAVE_ATTEMPTS = 4
+SAVE_FIRST_BACKOFF_S = 1.0
+# Errors another attempt cannot fix: fail the save at once instead of retrying into the same wall.
+PERMANENT_ERRNOS = frozenset({errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG,
+                              errno.ENOTDIR, errno.EISDIR})  # fmt: skip
+# botocore's default ("legacy", 5 attempts, backoff up to 8 s) spends ~10 s on every request to an endpoint that
+# refuses connections, and s3fs probes a bucket with two requests: a store that is down at start took 20 s to
+# report. Our own retries cover whole saves, so each request gets fewer attempts (unless the user chose otherwise);
+# s3fs's own connect (5 s) and read (15 s) timeouts already bound an attempt on an endpoint that does not answer.
+S3_DEFAULT_RETRIES = {"total_max_attempts": 3, "mode": "standard"}
 
 
 class CorruptSnapshot(Exception):
@@ -125,9 +144,14 @@ def from_bytes(data: bytes, source: str) -> dict:
             raise UsageError(f"refusing to load {source}: it references code ({what}), not only data") from None
         raise CorruptSnapshot(f"{source}: unreadable (not a snapshot file)") from None
     except Exception as e:  # truncated zip, random bytes, ... (torch raises RuntimeError, EOFError, ...)
-        raise CorruptSnapshot(f"{source}: unreadable ({type(e).__name__}: {_first_line(e)})") from None
+        raise CorruptSnapshot(f"{source}: unreadable ({type(e).__name__}: {_first_sentence(e)})") from None
     if not isinstance(snapshot, dict) or any(key not in snapshot for key in REQUIRED_KEYS):
         raise CorruptSnapshot(f"{source}: not a mingpt-ddp snapshot (missing keys)")
+    for key, kind in REQUIRED_TYPES.items():  # a file from elsewhere must not crash the checks below
+        if not isinstance(snapshot[key], kind) or isinstance(snapshot[key], bool):
+            raise CorruptSnapshot(f"{source}: not a mingpt-ddp snapshot ({key} is a {type(snapshot[key]).__name__})")
+    if not all(isinstance(value, torch.Tensor) for value in snapshot["model"].values()):
+        raise CorruptSnapshot(f"{source}: not a mingpt-ddp snapshot (model holds values that are not tensors)")
     if snapshot["format_version"] > FORMAT_VERSION:
         raise UsageError(
             f"{source} has snapshot format {snapshot['format_version']}, newer than this code understands "
@@ -142,22 +166,30 @@ def _first_line(error: BaseException) -> str:
     return next((line.strip() for line in str(error).splitlines() if line.strip()), "")
 
 
+def _first_sentence(error: BaseException) -> str:
+    """torch's errors for damaged files run on with advice about checkpoints; the first sentence says it."""
+    line = _first_line(error)
+    return line.split(". ", 1)[0].rstrip(".") if len(line) > 100 else line
+
+
 def check_compatible(snapshot: dict, model_config: dict, vocab: str, source: str) -> None:
     """A snapshot of another model shape or vocabulary must never be silently trained over (or ignored)."""
     saved = snapshot["model_config"]
+    # The vocabulary first: other data changes vocab_size as well, and "different vocabulary" names the cause.
+    if snapshot["vocab"] != vocab:
+        added = "".join(sorted(set(vocab) - set(snapshot["vocab"])))
+        missing = "".join(sorted(set(snapshot["vocab"]) - set(vocab)))
+        raise UsageError(
+            f"snapshot {source} has a different vocabulary ({len(snapshot['vocab'])} characters, this data "
+            f"{len(vocab)}; only in the data: {added!r}, only in the snapshot: {missing!r}; use another "
+            f"trainer_config.snapshot_path for other data)"
+        )
     for name in SHAPE_FIELDS:
         if saved.get(name) != model_config.get(name):
             raise UsageError(
                 f"snapshot {source} is for a different model: {name}={saved.get(name)} in the snapshot, "
                 f"{model_config.get(name)} in the config (use another trainer_config.snapshot_path to start afresh)"
             )
-    if snapshot["vocab"] != vocab:
-        added = "".join(sorted(set(vocab) - set(snapshot["vocab"])))
-        missing = "".join(sorted(set(snapshot["vocab"]) - set(vocab)))
-        raise UsageError(
-            f"snapshot {source} has a different vocabulary ({len(snapshot['vocab'])} characters, this data "
-            f"{len(vocab)}; only in the data: {added!r}, only in the snapshot: {missing!r})"
-        )
 
 
 # --------------------------------------------------------------------------------------------------- storage
@@ -173,7 +205,8 @@ class SnapshotStore:
     def __init__(self, location: str, storage_options: Optional[dict] = None) -> None:
         self.location = location.rstrip("/")
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(self.location, **(storage_options or {}))
+            options = with_default_retries(self.location, storage_options or {})
+            self.fs, self.root = fsspec.core.url_to_fs(self.location, **options)
         except (ImportError, ValueError) as e:
             raise UsageError(f"cannot use snapshot location {location}: {_first_line(e)}") from None
         self.root = self.root.rstrip("/")
@@ -200,6 +233,7 @@ class SnapshotStore:
             if self.is_local:
                 self.fs.makedirs(self.root, exist_ok=True)
             else:
+                self._check_reachable()
                 # Writing through s3fs into a bucket that does not exist silently creates it; refuse instead.
                 bucket = self.root.split("/", 1)[0]
                 if not self.fs.exists(bucket):
@@ -212,6 +246,18 @@ class SnapshotStore:
         except Exception as e:
             raise UsageError(
                 f"snapshot location {self.location} is not writable: {type(e).__name__}: {_first_line(e)}"
+            ) from None
+
+    def _check_reachable(self) -> None:
+        """Raise the store's own error if it cannot be reached. `exists()` answers False for an endpoint that is
+        down, which would be reported as a missing bucket."""
+        try:
+            self.fs.ls(self.root, detail=False, refresh=True)
+        except FileNotFoundError:
+            pass  # the folder (or the bucket: checked next) is not there yet; the store answered
+        except Exception as e:
+            raise UsageError(
+                f"snapshot location {self.location} cannot be reached: {type(e).__name__}: {_first_line(e)}"
             ) from None
 
     def write(self, name: str, data: bytes) -> None:
@@ -263,34 +309,83 @@ class SnapshotStore:
         """The newest snapshot that reads back intact; damaged ones are reported in one line and skipped.
 
         With `model_config` and `vocab`, one of another model shape or vocabulary is an error, not skipped; so
-        are a newer format and pickled code.
+        are a newer format and pickled code. Snapshots that are all damaged are an error too: starting afresh
+        would overwrite them (and prune them) and throw away whatever could still be recovered from them.
         """
+        damaged = []
         for entry in self.entries():
             source = self.url(entry.name)
             try:
                 snapshot = from_bytes(self.read(entry.name), source)
             except CorruptSnapshot as e:
                 log.warning("skipping snapshot %s", e)
+                damaged.append(str(e))
                 continue
             if model_config is not None and vocab is not None:
                 check_compatible(snapshot, model_config, vocab, source)
             return entry, snapshot
+        if damaged:
+            raise UsageError(
+                f"no readable snapshot in {self.location}: all {len(damaged)} damaged (newest: {damaged[0]}); "
+                f"move them away to start afresh, or use another trainer_config.snapshot_path"
+            )
         return None
+
+
+def with_default_retries(location: str, options: dict) -> dict:
+    """`options` plus bounded request retries for S3 (see S3_DEFAULT_RETRIES); whatever the user set wins: the
+    option itself, fsspec's config for s3, AWS_MAX_ATTEMPTS / AWS_RETRY_MODE, or the AWS config file's profile."""
+    protocol = fsspec.utils.get_protocol(location)
+    if protocol not in ("s3", "s3a"):
+        return options
+    # An explicit config_kwargs replaces fsspec.config's one wholesale, so start from it.
+    configured = fsspec.config.conf.get(protocol, {}).get("config_kwargs") or {}
+    config_kwargs = {**configured, **(options.get("config_kwargs") or {})}
+    if "retries" in config_kwargs or _aws_retries_configured(options.get("profile")):
+        return options
+    return {**options, "config_kwargs": {**config_kwargs, "retries": dict(S3_DEFAULT_RETRIES)}}
+
+
+def _aws_retries_configured(profile: Optional[str]) -> bool:
+    if "AWS_MAX_ATTEMPTS" in os.environ or "AWS_RETRY_MODE" in os.environ:
+        return True
+    try:
+        import botocore.session
+
+        scoped = botocore.session.Session(profile=profile).get_scoped_config()
+    except Exception:  # no botocore, or a profile that does not exist: s3fs reports that itself
+        return False
+    return "max_attempts" in scoped or "retry_mode" in scoped
+
+
+def is_permanent(error: BaseException) -> bool:
+    """True for a write error that trying again cannot fix (read-only, too large, no permission, no bucket)."""
+    if isinstance(error, (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError)):
+        return True
+    return isinstance(error, OSError) and error.errno in PERMANENT_ERRNOS
 
 
 class BackgroundWriter:
     """Serialises, checksums and writes snapshots on a background thread, so training is blocked only for the
-    copy of its state into CPU memory. One write at a time: a new one first waits for the previous one."""
+    copy of its state into CPU memory. One write at a time: a new one first waits for the previous one. A failed
+    write is retried with backoff, then reported in one line; training goes on and the next save tries again."""
 
     def __init__(self, store: SnapshotStore, keep_last: int) -> None:
         self.store = store
         self.keep_last = keep_last
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[str] = None
+        self._superseded = threading.Event()  # set: a failing save stops retrying, a newer one replaces it
+        self.newest_saved: Optional[str] = None  # the newest snapshot this writer completed
 
     def submit(self, name: str, state: dict, metadata: dict, world_size: int, reason: str) -> None:
-        """`state` must already be a private CPU copy: training goes on changing the live tensors."""
+        """`state` must already be a private CPU copy: training goes on changing the live tensors.
+
+        A save still waiting to retry is given up, so training does not wait out its backoff: this one is newer.
+        An attempt in flight is waited for (one write at a time, and a healthy slow store is never cut short)."""
+        self._superseded.set()
         self.wait(raise_error=False)
+        self._superseded.clear()
         self._thread = threading.Thread(
             target=self._write, args=(name, state, metadata, world_size, reason), name="snapshot-writer", daemon=True
         )
@@ -298,19 +393,60 @@ class BackgroundWriter:
 
     def _write(self, name: str, state: dict, metadata: dict, world_size: int, reason: str) -> None:
         start = time.perf_counter()
+        url = self.store.url(name)
         try:
-            self.store.write(name, to_bytes(build(state, metadata, world_size)))
-            removed = self.store.prune(self.keep_last)  # only once the new snapshot is complete
-        except Exception as e:  # reported here and by wait(); training goes on with the previous snapshot
-            self._error = f"snapshot {self.store.url(name)} could not be written: {type(e).__name__}: {_first_line(e)}"
-            log.error(self._error)
+            data = to_bytes(build(state, metadata, world_size))
+        except Exception as e:
+            self._fail(f"snapshot {url} could not be written: {type(e).__name__}: {_first_line(e)}")
+            return
+        attempts, failure = self._store_with_retries(name, data)
+        if failure is not None:
+            kept = f"{self.newest_saved} stays the newest" if self.newest_saved else "older snapshots are unchanged"
+            self._fail(f"snapshot {url} not saved ({attempts} attempt(s) in {time.perf_counter() - start:.1f} s, "
+                       f"last error {failure}); {kept}")  # fmt: skip
             return
         self._error = None
-        log.info("snapshot %s saved (%s, %.2f s in the background)%s", self.store.url(name), reason,
-                 time.perf_counter() - start, f"; removed {', '.join(removed)}" if removed else "")  # fmt: skip
+        self.newest_saved = name
+        retried = f", {attempts} attempts" if attempts > 1 else ""
+        log.info("snapshot %s saved (%s, %.2f s in the background%s)%s", url, reason,
+                 time.perf_counter() - start, retried, self._prune())  # fmt: skip
+
+    def _fail(self, message: str) -> None:
+        """One line, no traceback: the run goes on with the previous snapshot; wait() turns it into an error."""
+        self._error = message
+        log.warning(message)
+
+    def _store_with_retries(self, name: str, data: bytes) -> tuple[int, Optional[str]]:
+        """Write with exponential backoff. Returns (attempts made, None or the last error in one line)."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self.store.write(name, data)
+                return attempt, None
+            except Exception as e:
+                failure, permanent = f"{type(e).__name__}: {_first_line(e)}", is_permanent(e)
+            if permanent or attempt == SAVE_ATTEMPTS:
+                return attempt, failure
+            delay = SAVE_FIRST_BACKOFF_S * 2 ** (attempt - 1)
+            log.info("snapshot %s: attempt %d of %d failed (%s); retrying in %.0f s",
+                     self.store.url(name), attempt, SAVE_ATTEMPTS, failure, delay)  # fmt: skip
+            if self._superseded.wait(delay):
+                return attempt, f"{failure}; given up for a newer snapshot"
+
+    def _prune(self) -> str:
+        """Remove old snapshots once the new one is complete; a failure here loses nothing (tried again next save)."""
+        try:
+            removed = self.store.prune(self.keep_last)
+        except Exception as e:
+            log.warning("old snapshots in %s not removed: %s: %s",
+                        self.store.location, type(e).__name__, _first_line(e))  # fmt: skip
+            return ""
+        return f"; removed {', '.join(removed)}" if removed else ""
 
     def wait(self, raise_error: bool = True) -> None:
-        """Block until the current write is done; with raise_error, a failed write becomes a UsageError."""
+        """Block until the current write is done, retries included; with raise_error, a failed write becomes a
+        UsageError (one line for the user, non-zero exit)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -356,6 +492,10 @@ def read_file(path_or_url: str, storage_options: Optional[dict] = None) -> dict:
         data = SnapshotStore(location or ".", storage_options).read(name)
     except FileNotFoundError:
         raise UsageError(f"no such snapshot: {url}") from None
+    except UsageError:
+        raise
+    except Exception as e:  # a folder, no permission, no credentials, an unreachable store, ...
+        raise UsageError(f"cannot read snapshot {url}: {type(e).__name__}: {_first_line(e)}") from None
     return from_bytes(data, url)
 
 
@@ -373,7 +513,11 @@ def cli(argv: Optional[list[str]] = None) -> int:
             print(json.dumps(summary(read_file(args.path))))
         else:
             store = SnapshotStore(resolve_path(args.location))
-            for entry in store.entries():
+            try:
+                entries = store.entries()
+            except Exception as e:  # no permission, no credentials, an unreachable store, ...
+                raise UsageError(f"cannot list {store.location}: {type(e).__name__}: {_first_line(e)}") from None
+            for entry in entries:
                 size = store.fs.size(store._path(entry.name))
                 print(json.dumps({"name": entry.name, "step": entry.step, "bytes": size, "url": store.url(entry.name)}))
     except (UsageError, CorruptSnapshot) as e:

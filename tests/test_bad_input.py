@@ -1,0 +1,279 @@
+"""Bad input, one table: every case runs the real CLI and must exit non-zero with ONE readable line naming the
+problem (no traceback), and leave the snapshots that were already there byte-for-byte as they were.
+
+A module fixture trains a tiny model once (snapshots at steps 5 and 10); each case gets its own copy of that
+snapshot folder, may damage or add files in it, and runs `main.py` (or torchrun, `sample.py`, `snapshot.py info`).
+Cases fail before training starts, so the whole table takes about a minute and a half on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+import snapshot as snap
+from conftest import PROJECT_DIR, PYTHON, TINY, TORCHRUN, free_port, subprocess_env
+
+SNAPSHOTS = [snap.snapshot_name(5), snap.snapshot_name(10)]
+SHAKESPEARE = (PROJECT_DIR / "data" / "input.txt").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A snapshot folder written by a short real run of TINY."""
+    home = tmp_path_factory.mktemp("trained")
+    snaps = home / "snaps"
+    result = subprocess.run(
+        [PYTHON, str(PROJECT_DIR / "main.py"), *TINY, "trainer_config.max_steps=10",
+         "trainer_config.save_every_steps=5", "trainer_config.eval_every_steps=10", "trainer_config.eval_batches=1",
+         f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={home / 'run'}"],
+        cwd=home, env=subprocess_env(home), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in snaps.iterdir()) == SNAPSHOTS
+    return snaps
+
+
+# --------------------------------------------------------------------------------------------------- case helpers
+def write(d: Path, name: str, content: bytes) -> Path:
+    path = d / name
+    path.write_bytes(content)
+    return path
+
+
+def damage_all(snaps: Path, how: Callable[[bytes], bytes]) -> None:
+    for path in snaps.iterdir():
+        path.write_bytes(how(path.read_bytes()))
+
+
+def craft(snaps: Path, name: str, change: Callable[[dict], None], recompute_digest: bool = True) -> Path:
+    """A copy of the newest snapshot with `change` applied, saved as `name` in the folder."""
+    snapshot = snap.from_bytes((snaps / SNAPSHOTS[-1]).read_bytes(), "newest")
+    change(snapshot)
+    if recompute_digest:
+        snapshot["integrity_sha256"] = snap.integrity_sha256(snapshot)
+    return write(snaps, name, snap.to_bytes(snapshot))
+
+
+class WritesMarker:
+    """Pickles as a call to exec() that would create a file; loading must refuse it without running it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+def different_vocabulary(d: Path) -> Path:
+    """As much text as the fixture's data, with the same number of distinct characters but one of them other."""
+    text = SHAKESPEARE[: int(len(SHAKESPEARE) * 0.05)]
+    return write(d, "other.txt", text.replace("z", "\u00e9").encode("utf-8"))
+
+
+def no_aws_credentials(d: Path) -> dict[str, str | None]:
+    """No AWS credentials from anywhere (None: removed from the environment); no EC2 metadata service either."""
+    names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+    env: dict[str, str | None] = dict.fromkeys(names)
+    env.update(AWS_SHARED_CREDENTIALS_FILE=str(d / "none"), AWS_CONFIG_FILE=str(d / "none"),
+               AWS_EC2_METADATA_DISABLED="true", AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}")  # fmt: skip
+    return env
+
+
+def unreachable_s3(d: Path) -> dict[str, str | None]:
+    env = no_aws_credentials(d)
+    env.update(AWS_ACCESS_KEY_ID="AKIDEXAMPLE", AWS_SECRET_ACCESS_KEY="example-secret", AWS_REGION="us-east-1")
+    return env
+
+
+@dataclass
+class Case:
+    """`setup(case_dir, snaps)` prepares files and returns the extra command-line arguments."""
+
+    setup: Callable[[Path, Path], list[str]]
+    error: str  # regex the one error line must match (after "error: ")
+    tool: str = "main"  # main | torchrun | sample | info
+    env: Callable[[Path], dict[str, str | None]] = field(default=lambda d: {})
+
+
+# Each case: (what it sets up and passes) -> the one error line it must give.
+CASES: dict[str, Case] = {
+    # ---- config: fails before Hydra makes a run folder
+    "config: unknown key": Case(
+        lambda d, s: ["gpt_config.nlayer=3"],
+        r"Key 'nlayer' not in 'GPTConfig'"),
+    "config: +new_key": Case(
+        lambda d, s: ["+trainer_config.max_epoch=3"],
+        r"unknown config key trainer_config\.max_epoch \(known keys: .*max_epochs"),
+    "config: wrong type": Case(
+        lambda d, s: ["trainer_config.max_steps=ten"],
+        r"Value 'ten' of type 'str' could not be converted to Integer"),
+    "config: dropout out of range": Case(
+        lambda d, s: ["gpt_config.dropout=1.5"],
+        r"gpt_config\.dropout must be in \[0, 1\), got 1\.5"),
+    "config: zero keep_last": Case(
+        lambda d, s: ["trainer_config.keep_last=0"],
+        r"trainer_config\.keep_last must be positive, got 0"),
+    "config: min_lr above learning_rate": Case(
+        lambda d, s: ["optimizer_config.min_lr=0.01"],
+        r"min_lr must be in \[0, learning_rate=0\.003\], got 0\.01"),
+    "config: n_embd not divisible by n_head": Case(
+        lambda d, s: ["gpt_config.n_head=3"],
+        r"divisible by gpt_config\.n_head"),
+    "config: decay ends before warmup": Case(
+        lambda d, s: ["optimizer_config.decay_steps=3"],
+        r"decay_steps \(3\) must be larger than optimizer_config\.warmup_steps \(5\)"),
+    # ---- data: fails before the process group
+    "data: missing file": Case(
+        lambda d, s: ["data_config.path=data/no-such-file.txt"],
+        rf"data file not found: {re.escape(str(PROJECT_DIR))}/data/no-such-file\.txt$"),
+    "data: empty file": Case(
+        lambda d, s: [f"data_config.path={write(d, 'empty.txt', b'')}"],
+        r"data file .*empty\.txt is empty"),
+    "data: shorter than block_size + 1": Case(
+        lambda d, s: [f"data_config.path={write(d, 'short.txt', SHAKESPEARE[:60].encode())}",
+                      "data_config.truncate=1.0"],
+        r"short\.txt is too short: the validation split has 6 characters but block_size \+ 1 = 33 are needed"),
+    "data: not UTF-8": Case(
+        lambda d, s: [f"data_config.path={write(d, 'latin1.txt', 'café au lait. '.encode('latin-1') * 50)}"],
+        r"latin1\.txt is not UTF-8 text \(invalid byte at offset 3\)"),
+    "data: unknown protocol": Case(
+        lambda d, s: ["data_config.path=nope://bucket/input.txt"],
+        r"cannot read data file nope://bucket/input\.txt: ValueError: Protocol not known: nope"),
+    "data: http server unreachable": Case(
+        lambda d, s: [f"data_config.path=http://127.0.0.1:{free_port()}/input.txt"],
+        r"cannot read data file http://127\.0\.0\.1:\d+/input\.txt: ClientConnectorError: Cannot connect to host"),
+    "data: s3 endpoint unreachable": Case(
+        lambda d, s: ["data_config.path=s3://corpus/input.txt"],
+        r"cannot read data file s3://corpus/input\.txt: EndpointConnectionError: Could not connect to the endpoint URL",
+        env=unreachable_s3),
+    # ---- snapshots already in the snapshot folder
+    "snapshot: every snapshot truncated": Case(
+        lambda d, s: damage_all(s, lambda b: b[: len(b) // 2]) or ["trainer_config.max_steps=20"],
+        r"no readable snapshot in .*: all 2 damaged \(newest: .*snapshot-000000010\.pt: unreadable \(RuntimeError: "
+        r"PytorchStreamReader failed reading zip archive: failed finding central directory\)\); move them away"),
+    "snapshot: random bytes (snapshot.py info)": Case(
+        lambda d, s: damage_all(s, lambda b: os.urandom(len(b))) or [str(s / SNAPSHOTS[-1])],
+        r"snapshot-000000010\.pt: unreadable \(not a snapshot file\)$", tool="info"),
+    "snapshot: truncated (sample.py)": Case(
+        lambda d, s: damage_all(s, lambda b: b[:4000]) or [f"snapshot={s / SNAPSHOTS[-1]}"],
+        r"snapshot .*snapshot-000000010\.pt: unreadable \(.*\)$", tool="sample"),
+    "snapshot: other model shape": Case(
+        lambda d, s: ["gpt_config.n_embd=64"],
+        r"is for a different model: n_embd=32 in the snapshot, 64 in the config"),
+    "snapshot: other vocabulary": Case(
+        lambda d, s: [f"data_config.path={different_vocabulary(d)}", "data_config.truncate=1.0"],
+        r"has a different vocabulary \(59 characters, this data 59; only in the data: '\u00e9', "
+        r"only in the snapshot: 'z'"),
+    "snapshot: newer format version": Case(
+        lambda d, s: craft(s, snap.snapshot_name(11), lambda x: x.update(format_version=snap.FORMAT_VERSION + 1))
+        and ["trainer_config.max_steps=20"],
+        r"snapshot-000000011\.pt has snapshot format 2, newer than this code understands \(1\)"),
+    "snapshot: pickled code": Case(
+        lambda d, s: craft(s, snap.snapshot_name(11), lambda x: x.update(progress=WritesMarker(d / "code-ran")),
+                           recompute_digest=False) and ["trainer_config.max_steps=20"],
+        r"refusing to load .*snapshot-000000011\.pt: it references code \(.*exec\), not only data"),
+    "snapshot: weights that do not fit its own config (sample.py)": Case(
+        lambda d, s: craft(s, snap.snapshot_name(11), lambda x: x["model_config"].update(n_embd=64, n_head=4))
+        and [f"snapshot={s / snap.snapshot_name(11)}"],
+        r"the snapshot's weights do not match its model config: .*size mismatch", tool="sample"),
+    # ---- environment
+    "environment: world size does not divide the work": Case(
+        lambda d, s: [f"data_config.path={write(d, 'small.txt', SHAKESPEARE[:400].encode())}",
+                      "data_config.truncate=1.0", "trainer_config.batch_size=200"],
+        r"an optimizer step needs batch_size x grad_accum_steps x processes = 200 x 1 x 2 windows, but the training "
+        r"split has only 328", tool="torchrun"),
+    "environment: missing S3 credentials": Case(
+        lambda d, s: ["trainer_config.snapshot_path=s3://bucket/run1/"],
+        r"snapshot location s3://bucket/run1 .*NoCredentialsError: Unable to locate credentials",
+        env=no_aws_credentials),
+    "environment: RANK without torchrun": Case(
+        lambda d, s: [],
+        r"RANK is set but LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT is not: launch with torchrun",
+        env=lambda d: {"RANK": "0"}),
+}
+
+
+def command(case: Case, args: list[str], d: Path, snaps: Path) -> list[str]:
+    if case.tool == "sample":
+        return [PYTHON, str(PROJECT_DIR / "sample.py"), *args, "max_new_tokens=5"]
+    if case.tool == "info":
+        return [PYTHON, str(PROJECT_DIR / "snapshot.py"), "info", *args]
+    launcher = [PYTHON] if case.tool == "main" else [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
+    return [*launcher, str(PROJECT_DIR / "main.py"), *TINY, "trainer_config.max_steps=10",
+            "trainer_config.progress=off", f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={d / 'run'}",
+            *args]  # fmt: skip
+
+
+def folder_contents(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def error_lines(output: str) -> list[str]:
+    """`error: ...` lines, with a `[rank N] ` prefix from ranks other than 0."""
+    prefixed = re.compile(r"^(\[rank \d+\] )?(?=error: )")
+    return [prefixed.sub("", line) for line in output.splitlines() if prefixed.match(line)]
+
+
+@dataclass
+class Outcome:
+    result: subprocess.CompletedProcess
+    snaps: Path
+    before: dict[str, bytes]
+    marker: Path
+
+
+def run_case(name: str, trained: Path, d: Path) -> Outcome:
+    case = CASES[name]
+    snaps = d / "snaps"
+    shutil.copytree(trained, snaps)
+    args = case.setup(d, snaps)
+    before = folder_contents(snaps)
+    env = {**subprocess_env(d), **case.env(d)}
+    env = {key: value for key, value in env.items() if value is not None}
+    result = subprocess.run(command(case, args, d, snaps), cwd=d, env=env, capture_output=True, text=True, timeout=300)
+    return Outcome(result, snaps, before, d / "code-ran")
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, trained, tmp_path_factory) -> dict[str, Future]:
+    """The selected cases, run two at a time (each is mostly a process start-up on one core)."""
+    selected = [item.callspec.params["name"] for item in request.session.items
+                if item.module.__name__ == __name__ and hasattr(item, "callspec")]  # fmt: skip
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {name: pool.submit(run_case, name, trained, tmp_path_factory.mktemp("case")) for name in selected}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_is_refused_in_one_line_and_changes_no_snapshot(name, outcomes):
+    case = CASES[name]
+    outcome = outcomes[name].result()
+    result = outcome.result
+    output = result.stdout + result.stderr
+
+    assert result.returncode != 0, output[-3000:]
+    errors = error_lines(result.stderr)
+    assert errors, output[-3000:]
+    assert len(set(errors)) == 1, errors  # under torchrun every rank reports the same line
+    assert re.search(case.error, errors[0].removeprefix("error: ")), errors[0]
+    if case.tool == "torchrun":
+        # torchrun's own report of a failed worker is a traceback of the launcher; none may come from our code.
+        frames = re.findall(r'File "([^"]+)"', output)
+        assert not [f for f in frames if f.startswith(str(PROJECT_DIR)) and "/.venv/" not in f], output[-3000:]
+        assert result.returncode == 1  # torchrun's code for a failed worker
+    else:
+        assert "Traceback" not in output, output[-3000:]
+        assert [line for line in result.stderr.splitlines() if line.strip()] == errors, result.stderr[-3000:]
+        assert result.returncode == 2
+    assert folder_contents(outcome.snaps) == outcome.before  # not one snapshot written, removed or changed
+    assert not outcome.marker.exists()  # nothing from a snapshot was executed
