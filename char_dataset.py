@@ -18,7 +18,7 @@ import fsspec
 import torch
 from torch.utils.data import Dataset
 
-from errors import UsageError
+from errors import UsageError, first_line
 
 PROJECT_DIR = Path(__file__).resolve().parent
 
@@ -59,18 +59,19 @@ def read_text(path: str) -> str:
         cause = e.__cause__
         if isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError):
             # fsspec's HTTP filesystem reports an unreachable server as FileNotFoundError; say what really failed
-            raise UsageError(f"cannot read data file {url}: {type(cause).__name__}: {_first_line(cause)}") from None
+            raise _unreadable(url, cause) from None
         raise UsageError(f"data file not found: {url}") from None
     except Exception as e:  # no permission, unreachable server, missing credentials, unknown protocol, ...
-        raise UsageError(f"cannot read data file {url}: {type(e).__name__}: {_first_line(e)}") from None
+        raise _unreadable(url, e) from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UsageError(f"data file {url} is not UTF-8 text (invalid byte at offset {e.start})") from None
 
 
-def _first_line(error: BaseException) -> str:
-    return next((line.strip() for line in str(error).splitlines() if line.strip()), "") or repr(error)
+def _unreadable(url: str, error: BaseException) -> UsageError:
+    # An error without any text still says what it is through its repr.
+    return UsageError(f"cannot read data file {url}: {type(error).__name__}: {first_line(error) or repr(error)}")
 
 
 class CharVocab:

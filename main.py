@@ -33,7 +33,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from char_dataset import CharCorpus, DataConfig, resolve_path
-from errors import UsageError
+from errors import UsageError, first_line
 from model import GPT, GPTConfig
 from optim import OptimizerConfig, build_optimizer, learning_rate
 from plot import write_loss_plot
@@ -88,10 +88,6 @@ OmegaConf.register_new_resolver("rank_zero_only", lambda value: value if _global
 
 
 # ------------------------------------------------------------------------------------------------------- config
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
-
-
 def compose_config(overrides: list[str]) -> TrainConfig:
     """gpt2_train_cfg.yaml + overrides as validated dataclasses, for tools other than training (bench.py)."""
     composed = precheck_config_overrides(CONFIG_NAME, overrides)
@@ -115,8 +111,8 @@ def precheck_config_overrides(config_name: str, overrides: list[str]) -> Optiona
             return compose(config_name=config_name, overrides=overrides)
     except Exception as e:  # Hydra raises several exception types; all are user errors here
         cause = e.__cause__ or e.__context__
-        detail = f" {_first_line(cause)}" if cause is not None and _first_line(cause) != _first_line(e) else ""
-        raise UsageError(f"{_first_line(e)}{detail}") from None
+        detail = f" {first_line(cause)}" if cause is not None and first_line(cause) != first_line(e) else ""
+        raise UsageError(f"{first_line(e)}{detail}") from None
 
 
 def precheck_overrides(overrides: list[str]) -> None:
@@ -176,11 +172,11 @@ def scrub_hydra_output(run_dir: Path, cfg: DictConfig, sweep_dir: Optional[Path]
     node = cfg.trainer_config.snapshot_storage_options
     options = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
     secrets = sorted(set(_secret_strings(options)), key=len, reverse=True)
+    if not secrets:
+        return
     paths = list((run_dir / ".hydra").glob("*.yaml"))
     if sweep_dir is not None and (sweep_dir / "multirun.yaml").is_file():
         paths.append(sweep_dir / "multirun.yaml")
-    if not secrets:
-        return
     for path in paths:
         text = path.read_text(encoding="utf-8")
         for secret in secrets:

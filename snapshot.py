@@ -41,7 +41,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from char_dataset import resolve_path
-from errors import UsageError
+from errors import UsageError, describe, first_line
 
 log = logging.getLogger(__name__)
 
@@ -162,13 +162,9 @@ def from_bytes(data: bytes, source: str) -> dict:
     return snapshot
 
 
-def _first_line(error: BaseException) -> str:
-    return next((line.strip() for line in str(error).splitlines() if line.strip()), "")
-
-
 def _first_sentence(error: BaseException) -> str:
     """torch's errors for damaged files run on with advice about checkpoints; the first sentence says it."""
-    line = _first_line(error)
+    line = first_line(error)
     return line.split(". ", 1)[0].rstrip(".") if len(line) > 100 else line
 
 
@@ -208,7 +204,7 @@ class SnapshotStore:
             options = with_default_retries(self.location, storage_options or {})
             self.fs, self.root = fsspec.core.url_to_fs(self.location, **options)
         except (ImportError, ValueError) as e:
-            raise UsageError(f"cannot use snapshot location {location}: {_first_line(e)}") from None
+            raise UsageError(f"cannot use snapshot location {location}: {first_line(e)}") from None
         self.root = self.root.rstrip("/")
         self.is_local = isinstance(self.fs, LocalFileSystem)
 
@@ -245,7 +241,7 @@ class SnapshotStore:
             raise
         except Exception as e:
             raise UsageError(
-                f"snapshot location {self.location} is not writable: {type(e).__name__}: {_first_line(e)}"
+                f"snapshot location {self.location} is not writable: {describe(e)}"
             ) from None
 
     def _check_reachable(self) -> None:
@@ -257,7 +253,7 @@ class SnapshotStore:
             pass  # the folder (or the bucket: checked next) is not there yet; the store answered
         except Exception as e:
             raise UsageError(
-                f"snapshot location {self.location} cannot be reached: {type(e).__name__}: {_first_line(e)}"
+                f"snapshot location {self.location} cannot be reached: {describe(e)}"
             ) from None
 
     def write(self, name: str, data: bytes) -> None:
@@ -397,7 +393,7 @@ class BackgroundWriter:
         try:
             data = to_bytes(build(state, metadata, world_size))
         except Exception as e:
-            self._fail(f"snapshot {url} could not be written: {type(e).__name__}: {_first_line(e)}")
+            self._fail(f"snapshot {url} could not be written: {describe(e)}")
             return
         attempts, failure = self._store_with_retries(name, data)
         if failure is not None:
@@ -425,7 +421,7 @@ class BackgroundWriter:
                 self.store.write(name, data)
                 return attempt, None
             except Exception as e:
-                failure, permanent = f"{type(e).__name__}: {_first_line(e)}", is_permanent(e)
+                failure, permanent = describe(e), is_permanent(e)
             if permanent or attempt == SAVE_ATTEMPTS:
                 return attempt, failure
             delay = SAVE_FIRST_BACKOFF_S * 2 ** (attempt - 1)
@@ -439,8 +435,7 @@ class BackgroundWriter:
         try:
             removed = self.store.prune(self.keep_last)
         except Exception as e:
-            log.warning("old snapshots in %s not removed: %s: %s",
-                        self.store.location, type(e).__name__, _first_line(e))  # fmt: skip
+            log.warning("old snapshots in %s not removed: %s", self.store.location, describe(e))
             return ""
         return f"; removed {', '.join(removed)}" if removed else ""
 
@@ -495,7 +490,7 @@ def read_file(path_or_url: str, storage_options: Optional[dict] = None) -> dict:
     except UsageError:
         raise
     except Exception as e:  # a folder, no permission, no credentials, an unreachable store, ...
-        raise UsageError(f"cannot read snapshot {url}: {type(e).__name__}: {_first_line(e)}") from None
+        raise UsageError(f"cannot read snapshot {url}: {describe(e)}") from None
     return from_bytes(data, url)
 
 
@@ -516,7 +511,7 @@ def cli(argv: Optional[list[str]] = None) -> int:
             try:
                 entries = store.entries()
             except Exception as e:  # no permission, no credentials, an unreachable store, ...
-                raise UsageError(f"cannot list {store.location}: {type(e).__name__}: {_first_line(e)}") from None
+                raise UsageError(f"cannot list {store.location}: {describe(e)}") from None
             for entry in entries:
                 size = store.fs.size(store._path(entry.name))
                 print(json.dumps({"name": entry.name, "step": entry.step, "bytes": size, "url": store.url(entry.name)}))
