@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -46,6 +47,7 @@ from errors import UsageError, describe, first_line
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+ZIP_MAGIC = b"PK\x03\x04"  # what every torch.save file starts with
 NAME_PATTERN = re.compile(r"^snapshot-(\d{9})\.pt$")
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "bias", "vocab_size", "block_size")
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "progress", "model_config", "vocab", "integrity_sha256")
@@ -134,8 +136,14 @@ def to_bytes(snapshot: dict) -> bytes:
 
 def from_bytes(data: bytes, source: str) -> dict:
     """Parse and verify a snapshot. Damaged -> CorruptSnapshot; code or a newer format -> UsageError."""
+    if not data.startswith(ZIP_MAGIC):
+        # torch.save has written zip archives since 1.6. Anything else would go to torch's legacy pickle reader,
+        # whose error for arbitrary bytes is a matter of chance (UnicodeDecodeError, KeyError, IndexError, ...).
+        raise CorruptSnapshot(f"{source}: unreadable (not a snapshot file)")
     try:
-        snapshot = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a damaged archive can make torch warn (e.g. of an odd pickle protocol)
+            warnings.simplefilter("ignore")
+            snapshot = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         # The weights-only unpickler names the global (a function or class) it refused to import.
         found = re.search(r"GLOBAL ([\w.]+)|([\w.]+) was not an allowed global", str(e))

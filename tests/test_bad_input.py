@@ -8,7 +8,7 @@ Cases fail before training starts, so the whole table takes about a minute and a
 
 from __future__ import annotations
 
-import os
+import random
 import re
 import shutil
 import subprocess
@@ -161,7 +161,7 @@ CASES: dict[str, Case] = {
         r"no readable snapshot in .*: all 2 damaged \(newest: .*snapshot-000000010\.pt: unreadable \(RuntimeError: "
         r"PytorchStreamReader failed reading zip archive: failed finding central directory\)\); move them away"),
     "snapshot: random bytes (snapshot.py info)": Case(
-        lambda d, s: damage_all(s, lambda b: os.urandom(len(b))) or [str(s / SNAPSHOTS[-1])],
+        lambda d, s: damage_all(s, lambda b: random.Random(len(b)).randbytes(len(b))) or [str(s / SNAPSHOTS[-1])],
         r"snapshot-000000010\.pt: unreadable \(not a snapshot file\)$", tool="info"),
     "snapshot: truncated (sample.py)": Case(
         lambda d, s: damage_all(s, lambda b: b[:4000]) or [f"snapshot={s / SNAPSHOTS[-1]}"],
