@@ -11,6 +11,7 @@ process group exists) -> read the text -> set up the process group -> build GPT 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import functools
@@ -449,5 +450,26 @@ def cli() -> None:
     hydra_main()
 
 
+def exit_without_teardown(code: Any) -> None:
+    """Leave the process as `sys.exit(code)` would, minus CPython's teardown of every module and object.
+
+    By now everything is written and closed. Freeing torch's thousands of modules one by one takes 1-2 s on a
+    2-core machine, about 2% of the CPU quick-start's whole run, for nothing. Exit handlers (`atexit`) still run
+    and the streams are flushed; only the module teardown is skipped.
+    """
+    if isinstance(code, str):  # sys.exit("message") prints the message and exits with 1
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    cli()
+    try:
+        cli()
+    except SystemExit as done:  # user errors and Hydra's own exits (bad overrides, --cfg job, ...)
+        exit_without_teardown(done.code)
+    exit_without_teardown(0)
