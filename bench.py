@@ -5,6 +5,8 @@
     torchrun --standalone --nproc_per_node=2 bench.py preset=nanogpt_cpu # 2 processes x 1 thread
     python bench.py --snapshots 3                                        # + time training is blocked per snapshot
     python bench.py --steps 50 --json result.json trainer_config.compile=true gpt_config.n_layer=12 ...
+    python bench.py --baseline nanogpt preset=nanogpt_cpu                # + nanoGPT's CPU loop, step for step
+    torchrun --standalone --nproc_per_node=2 bench.py --scaling preset=nanogpt_cpu  # + against 1 process alone
 
 Arguments starting with `--` are the benchmark's own; everything else is a Hydra override, exactly as for main.py.
 The steps timed are `Trainer` steps of the same model, data path, optimizer, DDP wrapper and mixed precision that
@@ -12,11 +14,21 @@ main.py builds (through `main.build_trainer`), after warm-up steps that are not 
 
 MFU = model FLOPs per token (6 N + 12 n_layer n_embd block_size) x tokens/s / (processes x peak). The peak is
 `--peak-tflops` per process, or measured here with a large matmul in the training precision.
+
+`--baseline nanogpt` also times nanoGPT's training loop (as its train.py runs on a CPU) around the same model,
+alternating one step of each, and reports the median of the per-pair time ratios. On a machine whose speed drifts
+by 10-20% from minute to minute (shared CPUs), that ratio holds still where separate runs do not.
+
+`--scaling` (under torchrun) measures scaling efficiency the same way: each round, rank 0 first takes a step of
+a one-process trainer of the same config while the other ranks wait, then all ranks take a step together; the
+efficiency is the median over rounds of (one-process step time / all-ranks step time), i.e. the tokens/s of all
+ranks over N x the one-process tokens/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import statistics
@@ -31,6 +43,7 @@ import torch.distributed as dist
 import main
 from char_dataset import CharCorpus
 from errors import UsageError
+from model import GPT
 from snapshot import SnapshotStore
 from trainer import DistContext, Trainer
 
@@ -44,6 +57,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak per process; default: measured")
     parser.add_argument("--snapshots", type=int, default=0, help="also time this many snapshot saves")
     parser.add_argument("--json", default=None, help="also write the result to this file")
+    comparison = parser.add_mutually_exclusive_group()
+    comparison.add_argument("--baseline", choices=["nanogpt"], default=None,
+                            help="also time nanoGPT's CPU training loop, alternating steps (1 process, CPU)")  # fmt: skip
+    comparison.add_argument("--scaling", action="store_true",
+                            help="under torchrun: also time one process alone, alternating rounds")  # fmt: skip
     return parser.parse_known_args(argv)
 
 
@@ -78,6 +96,85 @@ def time_steps(trainer: Trainer, steps: int) -> list[float]:
     return times
 
 
+class NanoGPTLoop:
+    """nanoGPT's training loop as its train.py runs on a CPU, around the same model: a side-by-side reference.
+
+    What its loop does there, per optimizer step: the forward pass, then the next batch (random windows, each
+    sliced and stacked in Python), backward, gradient clipping with torch's defaults (foreach), `AdamW.step()`
+    with torch's defaults on a CPU (nanoGPT asks for the fused kernel only on CUDA, and torch then picks the
+    per-parameter loop), `zero_grad(set_to_none=True)`, and `loss.item()` (its CPU recipe logs every step).
+    Its GradScaler is disabled outside fp16 and its autocast is a null context in fp32, so both are left out.
+    The model is this project's GPT, the same network as nanoGPT's (pre-LayerNorm, flash attention, exact GELU,
+    tied embeddings, no biases in the recipe). Windows are sliced from the encoded tensor, not from a NumPy
+    memmap converted per window as nanoGPT does, which if anything makes this loop a little faster than nanoGPT.
+    """
+
+    def __init__(self, cfg, corpus: CharCorpus) -> None:
+        tc, oc = cfg.trainer_config, cfg.optimizer_config
+        self.block_size = cfg.data_config.block_size
+        self.batch_size, self.accum, self.clip = tc.batch_size, tc.grad_accum_steps, tc.grad_norm_clip
+        gpt_cfg = dataclasses.replace(cfg.gpt_config, vocab_size=len(corpus.vocab), block_size=self.block_size)
+        torch.manual_seed(tc.seed)
+        self.model = GPT(gpt_cfg)
+        self.optimizer = torch.optim.AdamW(self.model.param_groups(oc.weight_decay), lr=oc.learning_rate,
+                                           betas=(oc.beta1, oc.beta2), eps=oc.eps)  # fmt: skip
+        self.learning_rate = oc.learning_rate
+        self.data = corpus.train_dataset().data
+        self.x, self.y = self._batch()
+
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(self.data.numel() - self.block_size, (self.batch_size,))
+        x = torch.stack([self.data[i : i + self.block_size] for i in starts])
+        y = torch.stack([self.data[i + 1 : i + 1 + self.block_size] for i in starts])
+        return x, y
+
+    def train_step(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate  # nanoGPT sets the scheduled rate every step
+        for _ in range(self.accum):
+            _, loss = self.model(self.x, self.y)
+            loss = loss / self.accum
+            self.x, self.y = self._batch()
+            loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.item()
+
+
+def time_alternating(trainer: Trainer, baseline: NanoGPTLoop, steps: int) -> tuple[list[float], list[float]]:
+    """One step of each in turn, so that both see the same machine (its speed drifts over seconds)."""
+    ours, theirs = [], []
+    for _ in range(steps):
+        ours += time_steps(trainer, 1)
+        start = time.perf_counter()
+        baseline.train_step()
+        theirs.append(time.perf_counter() - start)
+    return ours, theirs
+
+
+@dataclasses.dataclass
+class SoloContext(DistContext):
+    """One process on its own inside a torchrun job: its trainer uses no DDP and no collectives."""
+
+    @property
+    def distributed(self) -> bool:
+        return False
+
+
+def time_scaling(trainer: Trainer, solo: Optional[Trainer], steps: int) -> tuple[list[float], list[float]]:
+    """Per round: rank 0 alone steps `solo` while the other ranks wait in a barrier, then all ranks step together."""
+    together, alone = [], []
+    for _ in range(steps):
+        dist.barrier()
+        if solo is not None:
+            alone += time_steps(solo, 1)
+        dist.barrier()
+        together += time_steps(trainer, 1)
+    return together, alone
+
+
 def time_snapshots(trainer: Trainer, saves: int, location: str) -> dict:
     """Training-thread time per snapshot (what blocks training) and the background write time."""
     trainer.snapshots = SnapshotStore(location)
@@ -97,6 +194,32 @@ def time_snapshots(trainer: Trainer, saves: int, location: str) -> dict:
     }
 
 
+def time_training(args, cfg, corpus: CharCorpus, ctx: DistContext, trainer: Trainer) -> tuple[list[float], dict]:
+    """Warm-up, then the timed steps; with --baseline or --scaling, alternating with the reference's steps.
+
+    Returns the step times and what the comparison adds to the result (rank 0's view)."""
+    if args.baseline:
+        if ctx.distributed or ctx.device.type != "cpu":
+            raise UsageError("--baseline nanogpt compares one process on a CPU (nanoGPT's CPU loop)")
+        baseline = NanoGPTLoop(cfg, corpus)
+        time_alternating(trainer, baseline, args.warmup)
+        times, baseline_times = time_alternating(trainer, baseline, args.steps)
+        return times, {"baseline": summarize_baseline(trainer, times, baseline_times)}
+    if args.scaling:
+        if not ctx.distributed:
+            raise UsageError("--scaling compares the processes of a torchrun job with one of them alone: "
+                             "run bench.py under torchrun")  # fmt: skip
+        solo = None
+        if ctx.is_main:
+            solo = main.build_trainer(cfg, corpus, SoloContext(device=ctx.device), run_dir=None, with_snapshots=False)
+            solo.total_steps = trainer.total_steps
+        time_scaling(trainer, solo, args.warmup)
+        times, solo_times = time_scaling(trainer, solo, args.steps)
+        return times, {"scaling": summarize_scaling(solo, times, solo_times, ctx.world_size)} if solo else {}
+    time_steps(trainer, args.warmup)
+    return time_steps(trainer, args.steps), {}
+
+
 def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
     cfg = main.compose_config(overrides)
     corpus = CharCorpus.load(cfg.data_config)
@@ -107,8 +230,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
         main.configure_device(ctx.device)
         trainer = main.build_trainer(cfg, corpus, ctx, run_dir=None, with_snapshots=False)
         trainer.total_steps = args.warmup + args.steps + args.snapshots + 1
-        time_steps(trainer, args.warmup)
-        times = time_steps(trainer, args.steps)
+        times, comparison = time_training(args, cfg, corpus, ctx, trainer)
         snapshot = None
         if args.snapshots:
             location = cfg.trainer_config.snapshot_path
@@ -119,7 +241,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
             dist.barrier()
         if not ctx.is_main:
             return None
-        return summarize(args, cfg, trainer, times, snapshot)
+        return {**summarize(args, cfg, trainer, times, snapshot), **comparison}
     finally:
         main.teardown_distributed()
 
@@ -155,6 +277,28 @@ def summarize(args, cfg, trainer: Trainer, times: list[float], snapshot: Optiona
         snapshot["blocked_over_step"] = round(snapshot["blocked_s_median"] / median, 3)
         result["snapshot"] = snapshot
     return result
+
+
+def summarize_baseline(trainer: Trainer, ours: list[float], theirs: list[float]) -> dict:
+    median = statistics.median(theirs)
+    return {
+        "name": "nanoGPT CPU loop",
+        "step_ms_median": round(1000 * median, 2),
+        "tokens_per_s": round(trainer.tokens_per_step / median, 1),
+        # > 1: this trainer is faster. The median of per-pair ratios, not a ratio of medians.
+        "speedup_paired_median": round(statistics.median(t / o for o, t in zip(ours, theirs)), 3),
+    }
+
+
+def summarize_scaling(solo: Trainer, together: list[float], alone: list[float], world_size: int) -> dict:
+    median = statistics.median(alone)
+    return {
+        "one_process_step_ms_median": round(1000 * median, 2),
+        "one_process_tokens_per_s": round(solo.tokens_per_step / median, 1),
+        # tokens/s of all ranks / (world_size x tokens/s of one alone); the per-process batch is the same
+        "efficiency_paired_median": round(statistics.median(a / t for t, a in zip(together, alone)), 3),
+        "world_size": world_size,
+    }
 
 
 def cli(argv: list[str]) -> int:

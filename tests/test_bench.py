@@ -16,11 +16,11 @@ def check_result(result: dict, world_size: int) -> None:
     assert result["flops_per_token"] > 6 * result["n_params"] * 0.9
 
 
-def test_bench_single_process_with_snapshots(tmp_path):
+def test_bench_single_process_with_snapshots_and_baseline(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(PROJECT_DIR / "bench.py"), "--steps", "4", "--warmup", "1", "--snapshots", "2",
-         "--json", str(out), *TINY, f"trainer_config.snapshot_path={tmp_path / 'snaps'}"],
+         "--baseline", "nanogpt", "--json", str(out), *TINY, f"trainer_config.snapshot_path={tmp_path / 'snaps'}"],
         cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -30,13 +30,31 @@ def test_bench_single_process_with_snapshots(tmp_path):
     snap = result["snapshot"]
     assert snap["saves"] == 2 and 0 < snap["blocked_s_median"] <= snap["written_s_median"]
     assert len(list((tmp_path / "snaps").glob("snapshot-*.pt"))) == 2
+    baseline = result["baseline"]
+    assert baseline["name"] == "nanoGPT CPU loop" and baseline["step_ms_median"] > 0 and baseline["speedup_paired_median"] > 0
+    assert abs(baseline["tokens_per_s"] - result["tokens_per_step"] / (baseline["step_ms_median"] / 1000)) < 0.01 * baseline[
+        "tokens_per_s"]
 
 
-def test_bench_under_torchrun(tmp_path):
+def test_bench_under_torchrun_with_scaling(tmp_path):
     proc = subprocess.run(
         [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(PROJECT_DIR / "bench.py"), "--steps", "4",
-         "--warmup", "1", *TINY],
+         "--warmup", "1", "--scaling", *TINY],
         cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    check_result(json.loads(proc.stdout), world_size=2)
+    result = json.loads(proc.stdout)
+    check_result(result, world_size=2)
+    scaling = result["scaling"]
+    assert scaling["world_size"] == 2 and scaling["one_process_step_ms_median"] > 0
+    assert abs(scaling["one_process_tokens_per_s"] - 8 * 32 / (scaling["one_process_step_ms_median"] / 1000)) < 0.01 * (
+        scaling["one_process_tokens_per_s"])
+    assert 0 < scaling["efficiency_paired_median"] < 2
+
+
+def test_bench_comparisons_refuse_the_wrong_launch(tmp_path):
+    proc = subprocess.run([sys.executable, str(PROJECT_DIR / "bench.py"), "--steps", "1", "--scaling", *TINY],
+                          cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: --scaling compares the processes of a torchrun job with one of them alone: run bench.py under torchrun"
+    ], proc.stderr
