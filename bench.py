@@ -17,7 +17,7 @@ MFU = model FLOPs per token (6 N + 12 n_layer n_embd block_size) x tokens/s / (p
 
 `--baseline nanogpt` also times nanoGPT's training loop (as its train.py runs on a CPU) around the same model,
 alternating one step of each, and reports the median of the per-pair time ratios. On a machine whose speed drifts
-by 10-20% from minute to minute (shared CPUs), that ratio holds still where separate runs do not.
+by 10-30% from minute to minute (shared CPUs), that ratio holds still where separate runs do not.
 
 `--scaling` (under torchrun) measures scaling efficiency the same way: each round, rank 0 first takes a step of
 a one-process trainer of the same config while the other ranks wait, then all ranks take a step together; the

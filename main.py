@@ -454,7 +454,7 @@ def exit_without_teardown(code: Any) -> None:
     """Leave the process as `sys.exit(code)` would, minus CPython's teardown of every module and object.
 
     By now everything is written and closed. Freeing torch's thousands of modules one by one takes 1-2 s on a
-    2-core machine, about 2% of the CPU quick-start's whole run, for nothing. Exit handlers (`atexit`) still run
+    2-core machine, 2-4% of the CPU quick-start's whole run, for nothing. Exit handlers (`atexit`) still run
     and the streams are flushed; only the module teardown is skipped.
     """
     if isinstance(code, str):  # sys.exit("message") prints the message and exits with 1
