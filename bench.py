@@ -59,7 +59,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--json", default=None, help="also write the result to this file")
     comparison = parser.add_mutually_exclusive_group()
     comparison.add_argument("--baseline", choices=["nanogpt"], default=None,
-                            help="also time nanoGPT's CPU training loop, alternating steps (1 process, CPU)")  # fmt: skip
+                            help="also time nanoGPT's CPU training loop, alternating steps (1 CPU process)")  # fmt: skip
     comparison.add_argument("--scaling", action="store_true",
                             help="under torchrun: also time one process alone, alternating rounds")  # fmt: skip
     return parser.parse_known_args(argv)

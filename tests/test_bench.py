@@ -31,9 +31,9 @@ def test_bench_single_process_with_snapshots_and_baseline(tmp_path):
     assert snap["saves"] == 2 and 0 < snap["blocked_s_median"] <= snap["written_s_median"]
     assert len(list((tmp_path / "snaps").glob("snapshot-*.pt"))) == 2
     baseline = result["baseline"]
-    assert baseline["name"] == "nanoGPT CPU loop" and baseline["step_ms_median"] > 0 and baseline["speedup_paired_median"] > 0
-    assert abs(baseline["tokens_per_s"] - result["tokens_per_step"] / (baseline["step_ms_median"] / 1000)) < 0.01 * baseline[
-        "tokens_per_s"]
+    assert baseline["name"] == "nanoGPT CPU loop" and baseline["speedup_paired_median"] > 0
+    baseline_tokens_per_s = result["tokens_per_step"] / (baseline["step_ms_median"] / 1000)
+    assert abs(baseline["tokens_per_s"] - baseline_tokens_per_s) < 0.01 * baseline_tokens_per_s
 
 
 def test_bench_under_torchrun_with_scaling(tmp_path):
