@@ -113,7 +113,9 @@ class NanoGPTLoop:
         tc, oc = cfg.trainer_config, cfg.optimizer_config
         self.block_size = cfg.data_config.block_size
         self.batch_size, self.accum, self.clip = tc.batch_size, tc.grad_accum_steps, tc.grad_norm_clip
-        gpt_cfg = dataclasses.replace(cfg.gpt_config, vocab_size=len(corpus.vocab), block_size=self.block_size)
+        # nanoGPT's attention is torch's scaled_dot_product_attention, whatever gpt_config.attention says here.
+        gpt_cfg = dataclasses.replace(cfg.gpt_config, vocab_size=len(corpus.vocab), block_size=self.block_size,
+                                      attention="sdpa")  # fmt: skip
         torch.manual_seed(tc.seed)
         self.model = GPT(gpt_cfg)
         self.optimizer = torch.optim.AdamW(self.model.param_groups(oc.weight_decay), lr=oc.learning_rate,
@@ -258,6 +260,7 @@ def summarize(args, cfg, trainer: Trainer, times: list[float], snapshot: Optiona
         "threads_per_process": torch.get_num_threads(),
         "precision": str(trainer.amp_dtype).removeprefix("torch."),
         "compile": cfg.trainer_config.compile,
+        "attention": cfg.gpt_config.attention,
         "model": {k: getattr(trainer.raw_model.config, k) for k in ("n_layer", "n_head", "n_embd", "block_size")},
         "n_params": trainer.raw_model.num_params(),
         "batch_size_per_process": cfg.trainer_config.batch_size,

@@ -119,6 +119,9 @@ CASES: dict[str, Case] = {
     "config: dropout out of range": Case(
         lambda d, s: ["gpt_config.dropout=1.5"],
         r"gpt_config\.dropout must be in \[0, 1\), got 1\.5"),
+    "config: unknown attention implementation": Case(
+        lambda d, s: ["gpt_config.attention=flash"],
+        r"gpt_config\.attention must be one of sdpa, matmul, got 'flash'"),
     "config: zero keep_last": Case(
         lambda d, s: ["trainer_config.keep_last=0"],
         r"trainer_config\.keep_last must be positive, got 0"),

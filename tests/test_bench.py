@@ -58,3 +58,16 @@ def test_bench_comparisons_refuse_the_wrong_launch(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: --scaling compares the processes of a torchrun job with one of them alone: run bench.py under torchrun"
     ], proc.stderr
+
+
+def test_nanogpt_baseline_keeps_nanogpts_attention():
+    """The reference loop is nanoGPT's: torch's sdpa attention even when ours is told to use matmul attention."""
+    import bench
+    import main
+    from char_dataset import CharCorpus
+    from model import CausalSelfAttention
+
+    cfg = main.compose_config(["preset=nanogpt_cpu", "gpt_config.attention=matmul", "data_config.truncate=0.05"])
+    loop = bench.NanoGPTLoop(cfg, CharCorpus.load(cfg.data_config))
+    attentions = {m.attention for m in loop.model.modules() if isinstance(m, CausalSelfAttention)}
+    assert attentions == {"sdpa"}

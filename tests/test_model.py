@@ -4,12 +4,14 @@ import pytest
 import torch
 
 from errors import UsageError
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, causal_attention_matmul, causal_attention_sdpa
 
 
-def tiny_gpt(dropout: float = 0.0, vocab_size: int = 65, block_size: int = 16) -> GPT:
+def tiny_gpt(dropout: float = 0.0, vocab_size: int = 65, block_size: int = 16, attention: str = "sdpa") -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, dropout=dropout, vocab_size=vocab_size, block_size=block_size))
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, dropout=dropout, vocab_size=vocab_size, block_size=block_size,
+                    attention=attention)  # fmt: skip
+    return GPT(cfg)
 
 
 def test_shapes_and_loss():
@@ -30,9 +32,10 @@ def test_loss_at_init_is_about_log_vocab():
     assert abs(loss.item() - math.log(65)) < 0.1
 
 
-def test_attention_is_causal():
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_attention_is_causal(attention: str):
     """Changing token t must leave the logits at every position < t unchanged, and change those at >= t."""
-    gpt = tiny_gpt().eval()
+    gpt = tiny_gpt(attention=attention).eval()
     idx = torch.randint(0, 65, (1, 16), generator=torch.Generator().manual_seed(3))
     base, _ = gpt(idx)
     for t in (0, 5, 15):
@@ -41,6 +44,42 @@ def test_attention_is_causal():
         out, _ = gpt(changed)
         assert torch.equal(out[:, :t], base[:, :t]), f"positions before {t} saw token {t}"
         assert not torch.allclose(out[:, t], base[:, t])
+
+
+@pytest.mark.parametrize("time", [16, 7, 1])
+def test_matmul_attention_computes_what_sdpa_does(time: int):
+    """Same weights, same inputs: logits, loss and every gradient agree to float rounding, at full and short T."""
+    idx = torch.randint(0, 65, (4, time), generator=torch.Generator().manual_seed(4))
+    targets = torch.randint(0, 65, (4, time), generator=torch.Generator().manual_seed(5))
+    results = []
+    for attention in ("sdpa", "matmul"):
+        gpt = tiny_gpt(attention=attention)
+        logits, loss = gpt(idx, targets)
+        loss.backward()
+        results.append((logits, loss, {name: p.grad for name, p in gpt.named_parameters()}))
+    (logits_a, loss_a, grads_a), (logits_b, loss_b, grads_b) = results
+    torch.testing.assert_close(logits_b, logits_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_matmul_attention_drops_attention_weights():
+    """With dropout_p > 0 some weights are zeroed and the rest scaled by 1/(1-p): the mean output is unchanged."""
+    q, k, v = torch.randn(3, 64, 2, 8, 4, generator=torch.Generator().manual_seed(6))
+    bias = torch.full((8, 8), float("-inf")).triu(1)
+    exact = causal_attention_matmul(q, k, v, bias, dropout_p=0.0)
+    torch.testing.assert_close(exact, causal_attention_sdpa(q, k, v, dropout_p=0.0), rtol=1e-5, atol=1e-6)
+    torch.manual_seed(1)
+    dropped = torch.stack([causal_attention_matmul(q, k, v, bias, dropout_p=0.5) for _ in range(400)])
+    assert not torch.allclose(dropped[0], exact)
+    assert (dropped.mean(0) - exact).abs().mean() < 0.1 * exact.abs().mean()
+
+
+def test_unknown_attention_is_a_usage_error():
+    with pytest.raises(UsageError, match="gpt_config.attention must be one of sdpa, matmul, got 'flash'"):
+        GPTConfig(attention="flash")
 
 
 def test_too_long_sequence_is_refused():
