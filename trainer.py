@@ -34,6 +34,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 import snapshot as snapshot_lib
 from errors import UsageError
+from shm_allreduce import SharedMemoryAllReduce, shared_memory_allreduce_hook
 from snapshot import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ class TrainerConfig:
     grad_norm_clip: float = 1.0  # clip the global gradient norm to this; 0 = no clipping
     mixed_precision: str = "auto"  # auto | bf16 | fp16 | fp32; auto = bf16 on GPUs with bf16, fp16 on older, fp32 on CPU
     compile: bool = False  # torch.compile the model (first step compiles, ~40 s on a CPU; then ~10% faster there)
+    # CPU processes on one host average gradients through /dev/shm instead of gloo's TCP (falls back to gloo when
+    # the ranks span hosts or /dev/shm lacks room); false = always gloo. No effect on GPUs (NCCL).
+    shared_memory_allreduce: bool = True
     seed: int = 1337  # seeds the weights, the data order and the dropout masks
     eval_every_steps: int = 500  # evaluate on the validation split every this many steps; 0 = at epoch ends only
     eval_batches: Optional[int] = None  # cap on validation batches (4 x batch_size windows) per process; null = all
@@ -282,10 +286,34 @@ class Trainer:
         if not self.ctx.distributed:
             return compiled, None, compiled
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        # forward_sync_buffers=False: the model has no buffers, so skip a buffer broadcast per forward pass.
-        # gradient_as_bucket_view=True: gradients live inside the all-reduce buckets (no copy, less memory).
-        ddp = DDP(compiled, device_ids=device_ids, forward_sync_buffers=False, gradient_as_bucket_view=True)
+        shm_reducer = self._shared_memory_reducer(model)
+        bucket_options = {}
+        if shm_reducer is not None:  # one bucket: one barrier per step (with a core per process nothing overlaps)
+            bucket_options["bucket_cap_mb"] = shm_reducer.num_elements * 4 / 2**20 + 1
+        # forward_sync_buffers=False: no buffer needs syncing (the attention mask buffer is a constant), so skip a
+        # broadcast per forward pass. gradient_as_bucket_view=True: gradients live inside the all-reduce buckets
+        # (no copy, less memory).
+        ddp = DDP(compiled, device_ids=device_ids, forward_sync_buffers=False, gradient_as_bucket_view=True,
+                  **bucket_options)  # fmt: skip
+        if shm_reducer is not None:
+            ddp.register_comm_hook(shm_reducer, shared_memory_allreduce_hook)
         return compiled, ddp, ddp
+
+    def _shared_memory_reducer(self, model: nn.Module) -> Optional[SharedMemoryAllReduce]:
+        """Collective. The /dev/shm gradient all-reduce where it applies: CPU ranks that all share one host.
+
+        On the nanoGPT CPU recipe (2 processes x 1 thread) gloo's all-reduce over TCP cost 4.3 ms of a ~105 ms
+        step; with this, `bench.py --scaling` measured efficiency ... (see README, Benchmarks)."""
+        if self.ctx.device.type != "cpu":
+            return None
+        params = [p for p in model.parameters() if p.requires_grad]
+        reducer, why_not = None, "trainer_config.shared_memory_allreduce=false"
+        if self.cfg.shared_memory_allreduce and all(p.dtype == torch.float32 for p in params):
+            reducer = SharedMemoryAllReduce.create(sum(p.numel() for p in params))
+            why_not = "the ranks do not all share one host's /dev/shm, or it has no room"
+        if self.ctx.is_main:
+            log.info("gradients are averaged %s", "through shared memory (/dev/shm)" if reducer else f"by gloo ({why_not})")
+        return reducer
 
     def _compile(self, model: nn.Module) -> nn.Module:
         if self.ctx.device.type == "cpu":

@@ -1,0 +1,127 @@
+"""DDP's gradient all-reduce through shared memory, for CPU processes that share one host.
+
+gloo all-reduces over TCP even between processes on one machine: 4.3 ms for the 3.2 MB of gradients of the
+nanoGPT CPU model on 2 processes here, about 4% of a one-thread step, plus a copy through the kernel both ways.
+Through /dev/shm the same reduction is a copy in, one barrier and a sum.
+
+    >>> reducer = SharedMemoryAllReduce.create(num_elements, group)   # collective; None: not all on one host
+    >>> if reducer: ddp.register_comm_hook(reducer, shared_memory_allreduce_hook)
+
+Each rank owns one file, `<dir>/mingpt-<token>-r<rank>`, of two gradient-sized halves, used alternately. A
+reduction: the rank copies its gradients into the current half of its file; a barrier; every rank sums all ranks'
+halves in rank order and divides by the world size, so every rank computes bit-for-bit the same average. A rank
+writes a half again only two reductions later, after a barrier that every rank passes once it has read that
+half, so one barrier per reduction is enough. The files are unlinked as soon as every rank has mapped them:
+nothing is left in /dev/shm, even when a process is killed.
+"""
+
+
+import logging
+import os
+import secrets
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+FLOAT_BYTES = 4
+
+
+class SharedMemoryAllReduce:
+    """The state of a DDP comm hook that averages one bucket of fp32 gradients of `num_elements` elements."""
+
+    def __init__(self, halves: list[list[torch.Tensor]], rank: int, group: Optional[dist.ProcessGroup]) -> None:
+        self.halves = halves  # halves[h][r]: half h of rank r's file
+        self.rank = rank
+        self.world_size = len(halves[0])
+        self.group = group
+        self.num_elements = halves[0][0].numel()
+        self.reductions = 0
+
+    @classmethod
+    def create(
+        cls, num_elements: int, group: Optional[dist.ProcessGroup] = None, shm_dir: str = SHM_DIR
+    ) -> Optional["SharedMemoryAllReduce"]:
+        """Collective. The reducer when every rank of `group` could create its file in `shm_dir` and map every
+        other rank's; None otherwise (ranks on several hosts, no /dev/shm, too little room in it)."""
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        token = [secrets.token_hex(8) if rank == 0 else None]
+        dist.broadcast_object_list(token, src=0, group=group)
+        paths = [os.path.join(shm_dir, f"mingpt-{token[0]}-r{r}") for r in range(world_size)]
+        size = 2 * num_elements
+        created = _create_file(paths[rank], size * FLOAT_BYTES)
+        try:
+            everyone_created = _all_ranks(created, group)
+            files = [_map_existing(path, size) if everyone_created else None for path in paths]
+            # (this all-reduce is also the barrier that lets each rank unlink its file: every rank has mapped it)
+            everyone_mapped = _all_ranks(all(f is not None for f in files), group)
+        finally:
+            if created:  # the mappings live on; the name goes, so nothing is left behind, even after a kill
+                os.unlink(paths[rank])
+        if not everyone_mapped:
+            return None
+        halves = [[f[h * num_elements : (h + 1) * num_elements] for f in files] for h in range(2)]
+        return cls(halves, rank, group)
+
+    def average(self, gradients: torch.Tensor) -> torch.Tensor:
+        """Replace `gradients` (this rank's) by the mean over all ranks, in place; every rank gets the same bits."""
+        if gradients.numel() != self.num_elements or gradients.dtype != torch.float32:
+            raise RuntimeError(
+                f"shared-memory all-reduce expects one fp32 bucket of {self.num_elements} elements, got "
+                f"{gradients.numel()} {gradients.dtype} (set trainer_config.shared_memory_allreduce=false)"
+            )
+        half = self.halves[self.reductions % 2]
+        self.reductions += 1
+        half[self.rank].copy_(gradients)
+        dist.barrier(group=self.group)  # every rank's gradients are in its half
+        gradients.copy_(half[0])
+        for other in half[1:]:
+            gradients.add_(other)
+        return gradients.div_(self.world_size)
+
+
+def shared_memory_allreduce_hook(
+    state: SharedMemoryAllReduce, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average the bucket through shared memory; done by the time it returns."""
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(state.average(bucket.buffer()))
+    return done
+
+
+def _create_file(path: str, size_bytes: int) -> bool:
+    """Create `path` with its blocks reserved (a tmpfs that runs full later would kill the process with SIGBUS)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        log.debug("no shared-memory file %s: %s", path, e)
+        return False
+    try:
+        os.posix_fallocate(fd, 0, size_bytes)
+    except OSError as e:
+        log.debug("no room for %d bytes in %s: %s", size_bytes, path, e)
+        os.unlink(path)
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _map_existing(path: str, num_elements: int) -> Optional[torch.Tensor]:
+    """Map a file another rank created, or None when it is not there (another host) or not the expected size."""
+    try:
+        if os.path.getsize(path) != num_elements * FLOAT_BYTES:
+            return None
+        return torch.from_file(path, shared=True, size=num_elements, dtype=torch.float32)
+    except (OSError, RuntimeError) as e:
+        log.debug("cannot map %s: %s", path, e)
+        return None
+
+
+def _all_ranks(ok: bool, group: Optional[dist.ProcessGroup]) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

@@ -1,0 +1,59 @@
+"""Gradients averaged through /dev/shm: the same numbers as gloo, a fallback that needs no help, nothing left behind."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import PROJECT_DIR, TINY, TORCHRUN, read_metrics, run_cli, subprocess_env
+
+
+def run_worker(tmp_path, mode: str, nproc: int) -> dict:
+    shm_dir, out = tmp_path / "shm", tmp_path / f"{mode}.json"
+    shm_dir.mkdir()
+    cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(PROJECT_DIR / "tests" / "shm_worker.py"),
+           mode, str(shm_dir), str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True,
+                          timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_three_processes_average_exactly_and_leave_no_files(tmp_path):
+    result = run_worker(tmp_path, "ok", nproc=3)
+    assert result["reducer"] and result["reductions"] == 5
+    assert result["means_exact"] and result["same_bits"]
+    assert result["files_left"] == []  # unlinked as soon as every rank had mapped them
+    assert "expects one fp32 bucket of 1001 elements, got 1002" in result["wrong_size_error"]
+
+
+@pytest.mark.parametrize("mode", ["other_host", "no_room"])
+def test_ranks_that_cannot_share_fall_back_together(tmp_path, mode):
+    result = run_worker(tmp_path, mode, nproc=2)
+    assert result == {"reducer": False, "files_left": []}
+    if mode == "other_host":
+        assert os.listdir(tmp_path / "shm-elsewhere") == []
+
+
+def test_training_through_shared_memory_equals_gloo_bit_for_bit(tmp_path):
+    """2 ranks: gloo averages (a/2 + b/2), shared memory (a + b)/2; halving is exact, so the runs are identical."""
+    runs = {}
+    for shm in ("true", "false"):
+        args = [*TINY, f"trainer_config.shared_memory_allreduce={shm}", f"hydra.run.dir={tmp_path / ('run_' + shm)}",
+                f"trainer_config.snapshot_path={tmp_path / ('snaps_' + shm)}"]  # fmt: skip
+        proc = run_cli(args, tmp_path, nproc=2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[shm] = proc.stdout + proc.stderr
+        assert read_metrics(tmp_path / f"run_{shm}")
+    assert "gradients are averaged through shared memory (/dev/shm)" in runs["true"]
+    assert "gradients are averaged by gloo (trainer_config.shared_memory_allreduce=false)" in runs["false"]
+    def numbers(run: str) -> list[dict]:  # everything but the timings
+        timing = {"tokens_per_s", "ms_per_step", "elapsed_s", "eval_s"}
+        return [{k: v for k, v in row.items() if k not in timing} for row in read_metrics(tmp_path / f"run_{run}")]
+
+    assert numbers("true") == numbers("false")
+    sha = [line.split("sha256 ")[1].split()[0] for line in (runs["true"], runs["false"]) for line in line.splitlines()
+           if "weights identical on all 2 rank(s)" in line]  # fmt: skip
+    assert len(sha) == 2 and sha[0] == sha[1]
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("mingpt-")]
