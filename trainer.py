@@ -302,17 +302,22 @@ class Trainer:
     def _shared_memory_reducer(self, model: nn.Module) -> Optional[SharedMemoryAllReduce]:
         """Collective. The /dev/shm gradient all-reduce where it applies: CPU ranks that all share one host.
 
-        On the nanoGPT CPU recipe (2 processes x 1 thread, 3.2 MB of gradients) gloo's all-reduce takes 4.2 ms,
-        this one 1.6 ms; steps got 7-9% faster (paired in one job, 3 runs; README, Benchmarks)."""
+        On the nanoGPT CPU recipe (2 processes x 1 thread, 3.2 MB of gradients) gloo's all-reduce takes 4.4-5.1 ms,
+        this one 2.0-2.3 ms; steps took 5-9% less time (paired in one job, 3 runs; README, Benchmarks)."""
         if self.ctx.device.type != "cpu":
             return None
         params = [p for p in model.parameters() if p.requires_grad]
-        reducer, why_not = None, "trainer_config.shared_memory_allreduce=false"
-        if self.cfg.shared_memory_allreduce and all(p.dtype == torch.float32 for p in params):
+        reducer = None
+        if not self.cfg.shared_memory_allreduce:
+            why_not = "trainer_config.shared_memory_allreduce=false"
+        elif any(p.dtype != torch.float32 for p in params):
+            why_not = "the parameters are not all fp32"
+        else:
             reducer = SharedMemoryAllReduce.create(sum(p.numel() for p in params))
             why_not = "the ranks do not all share one host's /dev/shm, or it has no room"
         if self.ctx.is_main:
-            log.info("gradients are averaged %s", "through shared memory (/dev/shm)" if reducer else f"by gloo ({why_not})")
+            how = "through shared memory (/dev/shm)" if reducer is not None else f"by gloo ({why_not})"
+            log.info("gradients are averaged %s", how)
         return reducer
 
     def _compile(self, model: nn.Module) -> nn.Module:
