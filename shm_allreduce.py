@@ -17,7 +17,6 @@ reduction is enough. The files are unlinked as soon as every rank has mapped the
 even when a process is killed.
 """
 
-
 import logging
 import os
 import secrets

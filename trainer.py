@@ -34,7 +34,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 import snapshot as snapshot_lib
 from errors import UsageError
-from shm_allreduce import SharedMemoryAllReduce, shared_memory_allreduce_hook
+from shm_allreduce import FLOAT_BYTES, SharedMemoryAllReduce, shared_memory_allreduce_hook
 from snapshot import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ class Trainer:
         shm_reducer = self._shared_memory_reducer(model)
         bucket_options = {}
         if shm_reducer is not None:  # one bucket: one barrier per step (with a core per process nothing overlaps)
-            bucket_options["bucket_cap_mb"] = shm_reducer.num_elements * 4 / 2**20 + 1
+            bucket_options["bucket_cap_mb"] = shm_reducer.num_elements * FLOAT_BYTES / 2**20 + 1
         # forward_sync_buffers=False: no buffer needs syncing (the attention mask buffer is a constant), so skip a
         # broadcast per forward pass. gradient_as_bucket_view=True: gradients live inside the all-reduce buckets
         # (no copy, less memory).
