@@ -13,7 +13,10 @@ The steps timed are `Trainer` steps of the same model, data path, optimizer, DDP
 main.py builds (through `main.build_trainer`), after warm-up steps that are not timed.
 
 MFU = model FLOPs per token (6 N + 12 n_layer n_embd block_size) x tokens/s / (processes x peak). The peak is
-`--peak-tflops` per process, or measured here with a large matmul in the training precision.
+`--peak-tflops` per process; else, on a GPU model NVIDIA publishes it for (H100, H200, GH200, A100; `KNOWN_PEAKS`),
+its dense datasheet peak in the training precision (bf16/fp16 tensor cores, TF32 for fp32 when TF32 matmuls are
+on); else (a CPU, another GPU) measured here with a large matmul in that precision. A measured matmul runs below
+the datasheet peak, so on a GPU it reads MFU 15-30% high: the output says which peak was used (`peak_source`).
 
 `--baseline nanogpt` also times nanoGPT's training loop (as its train.py runs on a CPU) around the same model,
 alternating one step of each, and reports the median of the per-pair time ratios. On a machine whose speed drifts
@@ -54,7 +57,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (allocator, compile, buckets)")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="peak per process; default: measured")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="peak per process; default: the GPU's datasheet peak if known, else measured")  # fmt: skip
     parser.add_argument("--snapshots", type=int, default=0, help="also time this many snapshot saves")
     parser.add_argument("--json", default=None, help="also write the result to this file")
     comparison = parser.add_mutually_exclusive_group()
@@ -68,6 +72,51 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# Dense (no structured sparsity) peak TFLOP/s of one GPU, from NVIDIA's datasheets: bf16 (= fp16) tensor cores,
+# TF32 tensor cores, plain fp32. Matched against torch.cuda.get_device_name() case-insensitively, first match wins
+# (so the more specific names come first; "NVIDIA H100 80GB HBM3" is the SXM part).
+KNOWN_PEAKS: tuple[tuple[str, str, dict[str, float]], ...] = (
+    ("GH200", "NVIDIA GH200", {"bf16": 989, "tf32": 494, "fp32": 67}),
+    ("H200 NVL", "NVIDIA H200 NVL", {"bf16": 835, "tf32": 418, "fp32": 60}),
+    ("H200", "NVIDIA H200 SXM", {"bf16": 989, "tf32": 494, "fp32": 67}),
+    ("H100 NVL", "NVIDIA H100 NVL", {"bf16": 835, "tf32": 418, "fp32": 60}),
+    ("H100 PCIe", "NVIDIA H100 PCIe", {"bf16": 756, "tf32": 378, "fp32": 51}),
+    ("H100", "NVIDIA H100 SXM", {"bf16": 989, "tf32": 494, "fp32": 67}),
+    ("A100", "NVIDIA A100", {"bf16": 312, "tf32": 156, "fp32": 19.5}),
+)  # fmt: skip
+
+
+def known_peak_tflops(device_name: str, dtype: torch.dtype, tf32: bool = True) -> Optional[tuple[float, str]]:
+    """(datasheet peak TFLOP/s, what it is) for a GPU named `device_name` training in `dtype`, or None if unknown.
+
+    A MIG slice gets None: it has a fraction of the GPU, which its name does not say exactly."""
+    name = device_name.lower()
+    if "mig" in name.split():
+        return None
+    if dtype in (torch.bfloat16, torch.float16):  # the same tensor-core rate on these GPUs
+        kind, label = "bf16", "bf16" if dtype == torch.bfloat16 else "fp16"
+    else:
+        kind = label = "tf32" if tf32 else "fp32"
+    for pattern, model, peaks in KNOWN_PEAKS:
+        if pattern.lower() in name:
+            return float(peaks[kind]), f"datasheet: {model}, dense {label}"
+    return None
+
+
+def peak_tflops(given: Optional[float], device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """(peak TFLOP/s per process, where it comes from): given, a datasheet peak, or a measured matmul."""
+    if given:
+        return given, "given"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        known = known_peak_tflops(name, dtype, tf32=torch.backends.cuda.matmul.allow_tf32)
+        if known is not None:
+            return known
+        log.warning("no datasheet peak known for %s: MFU is against a measured matmul, which reads 15-30%% high "
+                    "on a GPU; pass --peak-tflops for the real one", name)  # fmt: skip
+    return measure_peak_tflops(device, dtype), "measured matmul"
 
 
 def measure_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
@@ -253,7 +302,7 @@ def summarize(args, cfg, trainer: Trainer, times: list[float], snapshot: Optiona
     median = statistics.median(times)
     tokens_per_s = trainer.tokens_per_step / median
     flops_per_token = trainer.raw_model.flops_per_token()
-    peak = args.peak_tflops or measure_peak_tflops(ctx.device, trainer.amp_dtype)
+    peak, peak_source = peak_tflops(args.peak_tflops, ctx.device, trainer.amp_dtype)
     result = {
         "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
         "world_size": ctx.world_size,
@@ -273,7 +322,7 @@ def summarize(args, cfg, trainer: Trainer, times: list[float], snapshot: Optiona
         "tokens_per_s": round(tokens_per_s, 1),
         "flops_per_token": flops_per_token,
         "peak_tflops_per_process": round(peak, 3),
-        "peak_source": "given" if args.peak_tflops else "measured matmul",
+        "peak_source": peak_source,  # "given", "datasheet: <GPU>, dense <precision>" or "measured matmul"
         "mfu": round(flops_per_token * tokens_per_s / (ctx.world_size * peak * 1e12), 4),
     }
     if snapshot is not None:

@@ -103,7 +103,7 @@ class CharDataset(Dataset):
     same tensor. Training uses stride 1 (every position); evaluation uses stride `block_size`, so every character
     is predicted exactly once.
     `__getitems__` lets a DataLoader fetch a whole batch with one indexing operation instead of per-sample
-    Python work and collation.
+    Python work and collation; `windows` is the same batch before it is split into x and y.
     """
 
     def __init__(self, data: torch.Tensor, block_size: int, stride: int = 1) -> None:
@@ -125,9 +125,14 @@ class CharDataset(Dataset):
         return window[:-1], window[1:]
 
     def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.as_tensor(indices, dtype=torch.long) * self.stride
-        windows = self.data[starts[:, None] + self._offsets]  # (batch, block_size + 1), one gather
+        windows = self.windows(indices)
         return windows[:, :-1], windows[:, 1:]
+
+    def windows(self, indices: Sequence[int]) -> torch.Tensor:
+        """The windows `indices` as one contiguous (batch, block_size + 1) tensor, one gather: x = w[:, :-1] and
+        y = w[:, 1:]. What the trainer copies to the GPU (one pinned block; x and y are sliced there)."""
+        starts = torch.as_tensor(indices, dtype=torch.long) * self.stride
+        return self.data[starts[:, None] + self._offsets]
 
 
 class CharCorpus:

@@ -113,12 +113,15 @@ class DistContext:
 
 def resolve_precision(name: str, device: torch.device) -> torch.dtype:
     """The autocast dtype for a `mixed_precision` setting on this device (float32 means no autocast)."""
+    # including_emulation=False: pre-Ampere GPUs (V100, T4) can create bf16 tensors, so the default check says
+    # yes, but they have no bf16 tensor cores and run it emulated, many times slower than fp16.
     if name == "auto":
         if device.type != "cuda":
             return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UsageError(f"mixed_precision=bf16 is not supported on {torch.cuda.get_device_name(device)}; use fp16")
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise UsageError(f"mixed_precision=bf16 is not supported on {torch.cuda.get_device_name(device)} "
+                         f"(no bf16 tensor cores, only slow emulation); use fp16 or auto")  # fmt: skip
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
@@ -155,9 +158,28 @@ class ResumableDistributedSampler(DistributedSampler):
         return iter(order[self.rank :: self.num_replicas].tolist())
 
 
-def _batch_as_is(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Collate function for datasets whose `__getitems__` already returns stacked tensors."""
+def _batch_as_is(batch: torch.Tensor) -> torch.Tensor:
+    """Collate function for datasets whose `__getitems__` already returns a stacked tensor."""
     return batch
+
+
+class WindowBatches(Dataset):
+    """A window dataset as the loaders see it: a batch is the dataset's `windows(indices)`, one contiguous
+    (batch, block_size + 1) tensor, not an (x, y) pair of views into it.
+
+    One contiguous block pins as it is and goes to the GPU in one asynchronous copy from pinned memory; two
+    strided views would each go through a pageable temporary, so pinning would buy nothing. x = w[:, :-1] and
+    y = w[:, 1:] are sliced on the device (`Trainer._split`), the same values as the dataset's (x, y).
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitems__(self, indices: list[int]) -> torch.Tensor:
+        return self.dataset.windows(indices)
 
 
 class MetricsLog:
@@ -355,7 +377,7 @@ class Trainer:
         different order than the uninterrupted one, and with 3+ ranks the sums would differ in the last bits.
         """
         first_windows = list(range(min(self.cfg.batch_size, len(dataset))))
-        x, y = (t.to(self.ctx.device) for t in dataset.__getitems__(first_windows))
+        x, y = self._split(dataset.windows(first_windows))
         with torch.random.fork_rng(devices=[self.ctx.device] if self.ctx.device.type == "cuda" else []):
             with self._autocast():
                 _, loss = self.model(x, y)
@@ -366,7 +388,7 @@ class Trainer:
         # The loader gets its own generator: iter(DataLoader) draws a base seed from it, and would otherwise draw
         # from the global RNG and shift the dropout stream.
         return DataLoader(
-            dataset,
+            WindowBatches(dataset),  # batches of (B, T+1) windows, pinned on CUDA: `_split` makes x and y
             batch_sampler=BatchSampler(sampler, batch_size or self.cfg.batch_size, drop_last=drop_last),
             collate_fn=_batch_as_is,
             num_workers=self.cfg.data_loader_workers,
@@ -379,6 +401,12 @@ class Trainer:
     def _block_size(dataset: Dataset) -> int:
         x, _ = dataset[0]
         return x.numel()
+
+    def _split(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) on the device from a (B, T+1) batch of windows: one copy (asynchronous when the loader pinned
+        it), then two views. On the CPU no copy at all: the same views as the dataset's `__getitems__`."""
+        windows = windows.to(self.ctx.device, non_blocking=True)
+        return windows[:, :-1], windows[:, 1:]
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype != torch.float32)
@@ -441,7 +469,7 @@ class Trainer:
         self.sampler.set_epoch(self.epoch, start=self.epoch_samples)  # mid-epoch resume starts at the next batch
         if self.cfg.data_loader_workers == 0 and self.ctx.device.type == "cpu":
             # Same batches as the DataLoader (it would call __getitems__ the same way), minus its per-batch
-            # bookkeeping, which costs ~0.3 ms of a ~60 ms CPU step; on CUDA the loader pins memory.
+            # bookkeeping, which costs ~0.3 ms of a ~60 ms CPU step; on CUDA the loader pins each (B, T+1) batch.
             batch_sampler = BatchSampler(self.sampler, self.cfg.batch_size, drop_last=True)
             self._batches = (self.train_loader.dataset.__getitems__(indices) for indices in batch_sampler)
         else:
@@ -473,7 +501,7 @@ class Trainer:
             group["lr"] = lr
         self._seed_dropout()
         for micro_step in range(self.cfg.grad_accum_steps):
-            x, y = (t.to(self.ctx.device, non_blocking=True) for t in next(self._batches))
+            x, y = self._split(next(self._batches))
             last = micro_step == self.cfg.grad_accum_steps - 1
             # Only the last micro-batch all-reduces; the others accumulate gradients locally.
             with self.ddp.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext():
@@ -622,7 +650,7 @@ class Trainer:
     def load_state_dict(self, snap: dict) -> None:
         self.raw_model.load_state_dict(snap["model"])
         self.optimizer.load_state_dict(snap["optimizer"])
-        self.scaler.load_state_dict(snap["scaler"])
+        self._load_scaler(snap["scaler"])
         progress = snap["progress"]
         self.step, self.epoch = progress["step"], progress["epoch"]
         self.epoch_samples = progress["epoch_samples"]
@@ -633,6 +661,22 @@ class Trainer:
                         "of epoch %d", saved_world_size, self.ctx.world_size, self.epoch_samples, self.epoch)  # fmt: skip
         self.total_steps = self._total_steps()
         self._restore_loss_window(snap["loss_window"], saved_world_size)
+
+    def _load_scaler(self, state: dict) -> None:
+        """The gradient scaler's state, across a change of mixed_precision: a disabled scaler (bf16, fp32) saves {}.
+
+        fp16 resuming a bf16/fp32 snapshot starts a fresh scaler (one warning); bf16/fp32 resuming an fp16 snapshot
+        has no use for its loss scale (GradScaler.load_state_dict ignores it when disabled; one info line)."""
+        if self.scaler.is_enabled() and not state:
+            if self.ctx.is_main:  # other ranks log warnings too: one line for the job, not one per process
+                log.warning("snapshot has no fp16 gradient-scaler state (it was trained in bf16 or fp32): starting a "
+                            "fresh scaler, loss scale %g", self.scaler.get_scale())  # fmt: skip
+            return
+        if not self.scaler.is_enabled() and state:
+            log.info("snapshot was trained in fp16: its loss scale (%g) is not needed in %s", state.get("scale", 0.0),
+                     str(self.amp_dtype).removeprefix("torch."))  # fmt: skip
+            return
+        self.scaler.load_state_dict(state)
 
     def _restore_loss_window(self, window: dict, saved_world_size: int) -> None:
         self._reset_window()
@@ -691,10 +735,10 @@ class Trainer:
         self.eval_model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         count = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        for i, (x, y) in enumerate(self.val_loader):
+        for i, windows in enumerate(self.val_loader):
             if self.cfg.eval_batches is not None and i >= self.cfg.eval_batches:
                 break
-            x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
+            x, y = self._split(windows)
             with self._autocast():
                 _, loss = self.eval_model(x, y)
             loss_sum += loss.double() * y.numel()

@@ -6,7 +6,9 @@
 #
 # Parameters (environment variables, or edit the defaults here):
 #   NODES            number of nodes              (default: $SLURM_JOB_NUM_NODES, i.e. sbatch --nodes)
-#   GPUS_PER_NODE    processes (GPUs) per node    (default: $SLURM_GPUS_ON_NODE, else 8)
+#   NPROC_PER_NODE   worker processes per node    (default: one per GPU SLURM allocated on the node:
+#                    $SLURM_GPUS_ON_NODE, else the entries of $CUDA_VISIBLE_DEVICES; no GPUs = refused)
+#   GPUS_PER_NODE    the same as NPROC_PER_NODE (its older name)
 #   SNAPSHOT_PATH    trainer_config.snapshot_path (default: snapshots/slurm-$SLURM_JOB_NAME; shared storage or S3!)
 #   MAX_RESTARTS     torchrun --max-restarts      (default: 3)
 #   RDZV_PORT        rendezvous port on the head node (default: 29500)
@@ -19,9 +21,13 @@
 #   NCCL_IB_DISABLE=1           only if InfiniBand is present but broken
 # Snapshots must go to storage every node can read (a shared file system or S3): after a node is lost, the
 # restarted job may have global rank 0 on another node.
+# GPUs: the --gpus-per-node line below asks for 4 per node; change it to your nodes' count (or pass sbatch
+# --gpus-per-node=N). Without GPUs SLURM gives the job none (some sites then hide every GPU) and the script
+# refuses to start. CPU-only cluster: delete that line and set NPROC_PER_NODE (e.g. NPROC_PER_NODE=8 sbatch ...).
 #
 #SBATCH --job-name=mingpt-ddp
-#SBATCH --ntasks-per-node=1           # one torchrun agent per node; it starts GPUS_PER_NODE workers
+#SBATCH --gpus-per-node=4             # GPUs per node: change to what your nodes have; one worker per GPU
+#SBATCH --ntasks-per-node=1           # one torchrun agent per node; it starts NPROC_PER_NODE workers
 #SBATCH --exclusive
 #SBATCH --signal=TERM@120             # SIGTERM 2 minutes before the time limit: workers snapshot and exit
 #SBATCH --output=%x-%j.out
@@ -29,26 +35,56 @@
 set -euo pipefail
 
 NODES=${NODES:-${SLURM_JOB_NUM_NODES:-1}}
-GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+# Workers per node: as set, else one per GPU allocated on this node (the nodes of a --gpus-per-node job all get
+# the same number). CUDA_VISIBLE_DEVICES is counted only where SLURM_GPUS_ON_NODE is not set (older SLURM or a
+# site's own GPU plugin); "NoDevFiles" is what some SLURM versions put there when no GPU was allocated.
+NPROC_PER_NODE=${NPROC_PER_NODE:-${GPUS_PER_NODE:-}}
+if [[ -z "$NPROC_PER_NODE" ]]; then
+    if [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then
+        NPROC_PER_NODE=$SLURM_GPUS_ON_NODE
+    elif [[ -n "${CUDA_VISIBLE_DEVICES:-}" && "$CUDA_VISIBLE_DEVICES" != NoDevFiles \
+            && "$CUDA_VISIBLE_DEVICES" != -1* ]]; then
+        IFS=, read -ra visible_gpus <<< "$CUDA_VISIBLE_DEVICES"
+        NPROC_PER_NODE=${#visible_gpus[@]}
+    else
+        NPROC_PER_NODE=0
+    fi
+    if [[ "$NPROC_PER_NODE" == 0 ]]; then
+        echo "error: SLURM allocated no GPUs on this node: request them (sbatch --gpus-per-node=N), or set" \
+            "NPROC_PER_NODE=N to run N CPU workers per node" >&2
+        exit 2
+    fi
+fi
+if ! [[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: NPROC_PER_NODE (or GPUS_PER_NODE) must be a positive whole number, got '$NPROC_PER_NODE'" >&2
+    exit 2
+fi
+if [[ "${SLURM_GPUS_ON_NODE:-0}" =~ ^[1-9][0-9]*$ ]] && (( NPROC_PER_NODE > SLURM_GPUS_ON_NODE )); then
+    echo "error: NPROC_PER_NODE=$NPROC_PER_NODE workers per node, but SLURM allocated $SLURM_GPUS_ON_NODE GPUs" \
+        "per node (one worker per GPU)" >&2
+    exit 2
+fi
 SNAPSHOT_PATH=${SNAPSHOT_PATH:-snapshots/slurm-${SLURM_JOB_NAME:-mingpt-ddp}}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 RDZV_PORT=${RDZV_PORT:-29500}
-HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)  # sed reads all: no SIGPIPE under pipefail
 
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
-echo "nodes=$NODES gpus_per_node=$GPUS_PER_NODE head=$HEAD_NODE:$RDZV_PORT snapshots=$SNAPSHOT_PATH"
+echo "nodes=$NODES nproc_per_node=$NPROC_PER_NODE head=$HEAD_NODE:$RDZV_PORT snapshots=$SNAPSHOT_PATH"
 
-# Restarts: torchrun keeps one rendezvous TCPStore for all restarts of the job, so a restarted worker can read a
-# peer's address left by the previous attempt (gloo "Connection refused", NCCL connect errors) and the restart
-# is lost. main.py (setup_distributed) gives every attempt a fresh namespace in that store, so nothing needs to
-# be set here. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (rank 0's worker hosting a new store each attempt) is no
-# longer needed; it does no harm if your site sets it.
+# Restarts: with its default shared store torchrun (torch 2.13) hands the workers the TCPStore of an agent and
+# rebuilds that only in an agent's first round: a node whose agent joins a running job (a lost node's agent
+# started again, or --nnodes=MIN:MAX) makes every agent fail, or leaves the nodes' workers waiting in different
+# stores (README: Several nodes). With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 global rank 0's worker hosts a new
+# store for each attempt instead. Restarts of the workers (--max-restarts) come back either way: main.py gives
+# every attempt its own namespace in a shared store. srun passes the variable on to every node's torchrun.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 # --rdzv-id is the job id: every node (and every restart) joins the same rendezvous, and the run directory
 # (outputs/<run id>) is the same on every node.
 srun --kill-on-bad-exit=0 torchrun \
     --nnodes="$NODES" \
-    --nproc-per-node="$GPUS_PER_NODE" \
+    --nproc-per-node="$NPROC_PER_NODE" \
     --rdzv-backend=c10d \
     --rdzv-endpoint="$HEAD_NODE:$RDZV_PORT" \
     --rdzv-id="$SLURM_JOB_ID" \
