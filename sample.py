@@ -55,8 +55,8 @@ ConfigStore.instance().store(name="sample_schema", node=SampleConfig)
 
 def load_snapshot(location: str, storage_options: Optional[dict] = None) -> dict:
     """A snapshot file, or the newest valid snapshot in a folder."""
-    url = resolve_path(location).rstrip("/")
-    if NAME_PATTERN.match(url.rpartition("/")[2]):
+    url = resolve_path(location)  # a malformed URL is a UsageError here, never a local path
+    if NAME_PATTERN.match(url.rstrip("/").rpartition("/")[2]):
         try:
             return read_file(url, storage_options)
         except CorruptSnapshot as e:

@@ -35,16 +35,17 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from char_dataset import resolve_path
+from char_dataset import check_location, resolve_path
 from errors import UsageError, describe, first_line
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FORMAT_VERSION = 1
 ZIP_MAGIC = b"PK\x03\x04"  # what every torch.save file starts with
@@ -67,6 +68,10 @@ PERMANENT_ERRNOS = frozenset({errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPER
 # report. Our own retries cover whole saves, so each request gets fewer attempts (unless the user chose otherwise);
 # s3fs's own connect (5 s) and read (15 s) timeouts already bound an attempt on an endpoint that does not answer.
 S3_DEFAULT_RETRIES = {"total_max_attempts": 3, "mode": "standard"}
+# s3fs uploads an object of two parts or more (parts of this size: s3fs's own default) as a multipart upload. One
+# that fails or is killed midway leaves its parts in the bucket, unlisted and billed until aborted: a failed save
+# aborts them where s3fs could not, and every completed save aborts those that failed or killed saves left.
+S3_PART_BYTES = 50 * 2**20
 
 
 class CorruptSnapshot(Exception):
@@ -207,26 +212,32 @@ class SnapshotStore:
     """A folder of snapshots at a local path or fsspec URL."""
 
     def __init__(self, location: str, storage_options: Optional[dict] = None) -> None:
-        self.location = location.rstrip("/")
+        check_location(location, "snapshot location")  # a malformed URL never becomes a local folder
+        stripped = location.rstrip("/")
+        self.location = stripped if stripped and not stripped.endswith(":") else location  # file:/// stays a URL
         try:
             options = with_default_retries(self.location, storage_options or {})
             self.fs, self.root = fsspec.core.url_to_fs(self.location, **options)
-        except (ImportError, ValueError) as e:
-            raise UsageError(f"cannot use snapshot location {location}: {first_line(e)}") from None
-        self.root = self.root.rstrip("/")
+        except Exception as e:  # a missing package, bad options; a store that connects at once (ftp, sftp) refusing
+            raise UsageError(f"cannot use snapshot location {self.location}: {describe(e)}") from None
+        self.root = self.root.rstrip("/") or self.root
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        self._upload_cleanup_warned = False
 
     def url(self, name: str) -> str:
-        return f"{self.location}/{name}"
+        return f"{self.location.rstrip('/')}/{name}"
 
     def _path(self, name: str) -> str:
-        return f"{self.root}/{name}"
+        return f"{self.root.rstrip('/')}/{name}"
 
-    def entries(self) -> list[Entry]:
-        """Snapshots present, newest (highest step) first."""
+    def entries(self, missing_ok: bool = True) -> list[Entry]:
+        """Snapshots present, newest (highest step) first. A location that does not exist holds none, or is a
+        UsageError without `missing_ok`."""
         try:
             names = [path.rstrip("/").rsplit("/", 1)[-1] for path in self.fs.ls(self.root, detail=False)]
         except FileNotFoundError:
+            if not missing_ok:
+                raise UsageError(f"no such snapshot folder: {self.location}") from None
             return []
         found = [Entry(name, int(m.group(1))) for name in names if (m := NAME_PATTERN.match(name))]
         return sorted(found, key=lambda entry: entry.step, reverse=True)
@@ -239,8 +250,8 @@ class SnapshotStore:
             else:
                 self._check_reachable()
                 # Writing through s3fs into a bucket that does not exist silently creates it; refuse instead.
-                bucket = self.root.split("/", 1)[0]
-                if not self.fs.exists(bucket):
+                bucket = self.root.split("/", 1)[0]  # "" for stores of absolute paths (ftp, sftp, memory): none
+                if bucket and not self.fs.exists(bucket):
                     raise UsageError(f"snapshot location {self.location}: bucket {bucket!r} does not exist")
             probe = self._path(f".write-check-{uuid.uuid4().hex}")
             self.fs.pipe_file(probe, b"ok")
@@ -268,8 +279,55 @@ class SnapshotStore:
         """Make `name` appear complete or not at all."""
         if self.is_local:
             self._write_local_atomically(self._path(name), data)
-        else:
+        elif not self._speaks_s3:
             self.fs.pipe_file(self._path(name), data)  # an object store commits an object when its upload ends
+        else:
+            try:
+                self.fs.pipe_file(self._path(name), data, chunksize=S3_PART_BYTES)
+            except Exception:
+                # s3fs aborts a multipart upload that fails, unless the abort fails as well (a lost connection);
+                # only data of two parts or more goes up in parts.
+                if len(data) >= 2 * S3_PART_BYTES:
+                    self._abort_incomplete_uploads_quietly(logging.INFO)
+                raise
+
+    @property
+    def _speaks_s3(self) -> bool:
+        """An S3 store through s3fs (multipart uploads), also under a caching or other wrapper."""
+        return callable(getattr(self.fs, "call_s3", None))
+
+    def abort_incomplete_uploads(self) -> list[str]:
+        """Abort the multipart uploads of snapshots here that never completed (failed or killed saves) and return
+        their keys. S3 keeps such parts, invisible to listings and billed, until they are aborted. Only keys of
+        snapshot names directly in this location: its one writer is the only one uploading them, one at a time,
+        so none is in flight when this runs. [] for stores other than S3."""
+        if not self._speaks_s3:
+            return []
+        bucket, _, folder = self.root.partition("/")
+        prefix = f"{folder}/" if folder else ""
+        aborted, page_marker = [], {}
+        while True:
+            page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **page_marker)
+            for upload in page.get("Uploads") or []:
+                if NAME_PATTERN.match(upload["Key"][len(prefix):]):
+                    self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"],
+                                    UploadId=upload["UploadId"])  # fmt: skip
+                    aborted.append(upload["Key"])
+            if not page.get("IsTruncated"):
+                return aborted
+            page_marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    def _abort_incomplete_uploads_quietly(self, level: int) -> list[str]:
+        """`abort_incomplete_uploads`, its failure logged in one line (at `level`; a warning only once per store:
+        a store that refuses the listing refuses it at every save) instead of raised."""
+        try:
+            return self.abort_incomplete_uploads()
+        except Exception as e:
+            if level < logging.WARNING or not self._upload_cleanup_warned:
+                self._upload_cleanup_warned |= level >= logging.WARNING
+                log.log(level, "incomplete uploads in %s not aborted (%s); tried again after the next save",
+                        self.location, describe(e))  # fmt: skip
+            return []
 
     @staticmethod
     def _write_local_atomically(path: str, data: bytes) -> None:
@@ -296,7 +354,8 @@ class SnapshotStore:
         return self.fs.cat_file(self._path(name))
 
     def prune(self, keep_last: int) -> list[str]:
-        """Delete all but the newest `keep_last` snapshots (and temporary files of interrupted local saves)."""
+        """Delete all but the newest `keep_last` snapshots (and temporary files of interrupted local saves; on S3
+        the incomplete multipart uploads of failed or killed saves)."""
         removed = []
         for entry in self.entries()[keep_last:]:
             self.fs.rm_file(self._path(entry.name))
@@ -305,6 +364,8 @@ class SnapshotStore:
             for name in os.listdir(self.root):
                 if name.startswith(".snapshot-") and ".tmp-" in name and f".tmp-{os.getpid()}-" not in name:
                     os.remove(os.path.join(self.root, name))
+        for key in self._abort_incomplete_uploads_quietly(logging.WARNING):
+            removed.append(f"the incomplete upload of {key.rsplit('/', 1)[-1]}")
         return removed
 
     def load_newest_valid(
@@ -315,12 +376,19 @@ class SnapshotStore:
         With `model_config` and `vocab`, one of another model shape or vocabulary is an error, not skipped; so
         are a newer format and pickled code. Snapshots that are all damaged are an error too: starting afresh
         would overwrite them (and prune them) and throw away whatever could still be recovered from them.
+        A store that fails to list or read is tried again as a failed save is (`read_with_retries`), then is a
+        UsageError in one line.
         """
         damaged = []
-        for entry in self.entries():
+        for entry in read_with_retries(f"cannot list the snapshots in {self.location}", self.entries):
             source = self.url(entry.name)
             try:
-                snapshot = from_bytes(self.read(entry.name), source)
+                data = read_with_retries(f"cannot read snapshot {source}", lambda: self.read(entry.name))
+            except FileNotFoundError:  # removed since the listing (pruned by a writer): the next older one
+                log.warning("skipping snapshot %s: it is gone", source)
+                continue
+            try:
+                snapshot = from_bytes(data, source)
             except CorruptSnapshot as e:
                 log.warning("skipping snapshot %s", e)
                 damaged.append(str(e))
@@ -334,6 +402,29 @@ class SnapshotStore:
                 f"move them away to start afresh, or use another trainer_config.snapshot_path"
             )
         return None
+
+
+def read_with_retries(what: str, read: Callable[[], T]) -> T:
+    """`read()`, with the retry policy of a save: an error that another attempt may fix (a store briefly down,
+    a dropped connection) is tried again after 1, 2, 4 s (SAVE_ATTEMPTS, SAVE_FIRST_BACKOFF_S); one that it cannot
+    (`is_permanent`), or the last attempt's, is a UsageError: `what (N attempt(s) in T s, last error ...)`.
+    FileNotFoundError is left to the caller (nothing there is an answer, not a failure)."""
+    start = time.perf_counter()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return read()
+        except (FileNotFoundError, UsageError):
+            raise
+        except Exception as e:
+            failure, permanent = describe(e), is_permanent(e)
+        if permanent or attempt >= SAVE_ATTEMPTS:
+            raise UsageError(f"{what} ({attempt} attempt(s) in {time.perf_counter() - start:.1f} s, "
+                             f"last error {failure})")  # fmt: skip
+        delay = SAVE_FIRST_BACKOFF_S * 2 ** (attempt - 1)
+        log.info("%s: attempt %d of %d failed (%s); retrying in %.0f s", what, attempt, SAVE_ATTEMPTS, failure, delay)
+        time.sleep(delay)
 
 
 def with_default_retries(location: str, options: dict) -> dict:
@@ -490,9 +581,12 @@ def summary(snapshot: dict) -> dict:
 def read_file(path_or_url: str, storage_options: Optional[dict] = None) -> dict:
     """One snapshot file (relative paths = to the project), verified; a missing file is a UsageError."""
     url = resolve_path(path_or_url).rstrip("/")
+    last = url.rsplit("::", 1)[-1]  # of a chained URL, the part that names the file
+    if "://" in last and "/" not in last.split("://", 1)[1]:
+        raise UsageError(f"{url} names a bucket or host, not a snapshot file (.../snapshot-NNNNNNNNN.pt)")
     location, _, name = url.rpartition("/")
     try:
-        data = SnapshotStore(location or ".", storage_options).read(name)
+        data = SnapshotStore(location or "/", storage_options).read(name)
     except FileNotFoundError:
         raise UsageError(f"no such snapshot: {url}") from None
     except UsageError:
@@ -517,9 +611,15 @@ def cli(argv: Optional[list[str]] = None) -> int:
         else:
             store = SnapshotStore(resolve_path(args.location))
             try:
-                entries = store.entries()
+                if store.fs.isfile(store.root):
+                    raise UsageError(f"{store.location} is a file, not a snapshot folder (snapshot.py info reads one)")
+                entries = store.entries(missing_ok=False)
+            except UsageError:
+                raise
             except Exception as e:  # no permission, no credentials, an unreachable store, ...
                 raise UsageError(f"cannot list {store.location}: {describe(e)}") from None
+            if not entries:
+                print(f"no snapshot in {store.location}", file=sys.stderr)
             for entry in entries:
                 size = store.fs.size(store._path(entry.name))
                 print(json.dumps({"name": entry.name, "step": entry.step, "bytes": size, "url": store.url(entry.name)}))

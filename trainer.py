@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
 import snapshot as snapshot_lib
+from char_dataset import check_location
 from errors import UsageError
 from shm_allreduce import FLOAT_BYTES, SharedMemoryAllReduce, shared_memory_allreduce_hook
 from snapshot import SnapshotStore
@@ -83,6 +84,7 @@ class TrainerConfig:
         for name in ("max_steps", "eval_batches", "save_every_steps"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise UsageError(f"trainer_config.{name} must be positive or null, got {getattr(self, name)}")
+        check_location(self.snapshot_path, "trainer_config.snapshot_path")  # a mangled URL, before anything runs
         if self.snapshot_storage_options is not None and not isinstance(self.snapshot_storage_options, dict):
             raise UsageError("trainer_config.snapshot_storage_options must be a mapping, e.g. {key: value}, or null")
         if self.progress not in PROGRESS_MODES:

@@ -2,8 +2,10 @@
 problem (no traceback), and leave the snapshots that were already there byte-for-byte as they were.
 
 A module fixture trains a tiny model once (snapshots at steps 5 and 10); each case gets its own copy of that
-snapshot folder, may damage or add files in it, and runs `main.py` (or torchrun, `sample.py`, `snapshot.py info`).
-Cases fail before training starts, so the whole table takes about a minute and a half on 2 cores.
+snapshot folder, may damage or add files in it, and runs `main.py` (or torchrun, `sample.py`, `snapshot.py info` or
+`list`) in an empty folder of its own, which must stay empty: a storage location that looks like a URL is parsed as
+one or refused, never turned into a local folder (`s3:`) there or in the project folder.
+Cases fail before training starts, so the whole table takes about three minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class Case:
 
     setup: Callable[[Path, Path], list[str]]
     error: str  # regex the one error line must match (after "error: ")
-    tool: str = "main"  # main | torchrun | sample | info
+    tool: str = "main"  # main | torchrun | sample | info | list
     env: Callable[[Path], dict[str, str | None]] = field(default=lambda d: {})
 
 
@@ -150,7 +152,17 @@ CASES: dict[str, Case] = {
         r"latin1\.txt is not UTF-8 text \(invalid byte at offset 3\)"),
     "data: unknown protocol": Case(
         lambda d, s: ["data_config.path=nope://bucket/input.txt"],
-        r"cannot read data file nope://bucket/input\.txt: ValueError: Protocol not known: nope"),
+        r"data_config\.path 'nope://bucket/input\.txt': unknown protocol 'nope' \(fsspec knows s3, "),
+    "data: s3 URL with one slash": Case(
+        lambda d, s: ["data_config.path=s3:/corpus/input.txt"],
+        r"data_config\.path 's3:/corpus/input\.txt' is not a complete URL: 's3:' must be followed by '//' "
+        r"\(expected s3://BUCKET/PATH\)$"),
+    "data: file URL with an empty path": Case(
+        lambda d, s: ["data_config.path=file://"],
+        r"data_config\.path 'file://': no path after 'file://' \(expected file:///ABSOLUTE/PATH\)$"),
+    "data: ftp server refusing connections": Case(
+        lambda d, s: [f"data_config.path=ftp://127.0.0.1:{free_port()}/input.txt"],
+        r"cannot read data file ftp://127\.0\.0\.1:\d+/input\.txt: ConnectionRefusedError: "),
     "data: http server unreachable": Case(
         lambda d, s: [f"data_config.path=http://127.0.0.1:{free_port()}/input.txt"],
         r"cannot read data file http://127\.0\.0\.1:\d+/input\.txt: ClientConnectorError: Cannot connect to host"),
@@ -158,6 +170,43 @@ CASES: dict[str, Case] = {
         lambda d, s: ["data_config.path=s3://corpus/input.txt"],
         r"cannot read data file s3://corpus/input\.txt: EndpointConnectionError: Could not connect to the endpoint URL",
         env=unreachable_s3),
+    # ---- the snapshot location: a URL is one or an error, never a local folder (issue 17)
+    "location: s3:// without a bucket": Case(
+        lambda d, s: ["trainer_config.snapshot_path=s3://"],
+        r"trainer_config.snapshot_path 's3://': no bucket after 's3://' \(expected s3://BUCKET/PATH\)$"),
+    "location: s3:/bucket with one slash": Case(
+        lambda d, s: ["trainer_config.snapshot_path=s3:/bucket/run"],
+        r"trainer_config.snapshot_path 's3:/bucket/run' is not a complete URL: 's3:' must be followed by '//'"),
+    "location: s3:///x with an empty bucket": Case(
+        lambda d, s: ["trainer_config.snapshot_path=s3:///run"],
+        r"trainer_config.snapshot_path 's3:///run': no bucket after 's3://'"),
+    "location: file:// with an empty path": Case(
+        lambda d, s: ["trainer_config.snapshot_path=file://"],
+        r"trainer_config.snapshot_path 'file://': no path after 'file://' \(expected file:///ABSOLUTE/PATH\)$"),
+    "location: unknown protocol": Case(
+        lambda d, s: ["trainer_config.snapshot_path=s4://bucket/run"],
+        r"trainer_config.snapshot_path 's4://bucket/run': unknown protocol 's4' \(fsspec knows s3, "),
+    "location: ftp store refusing connections": Case(
+        lambda d, s: [f"trainer_config.snapshot_path=ftp://127.0.0.1:{free_port()}/run"],
+        r"cannot use snapshot location ftp://127\.0\.0\.1:\d+/run: ConnectionRefusedError: .*Connection refused$"),
+    "location: s3:// without a bucket (sample.py)": Case(
+        lambda d, s: ["snapshot=s3://"],
+        r"storage location 's3://': no bucket after 's3://'", tool="sample"),
+    "location: s3:/bucket with one slash (sample.py)": Case(
+        lambda d, s: [f"snapshot=s3:/bucket/run/{SNAPSHOTS[-1]}"],
+        r"storage location 's3:/bucket/run/snapshot-000000010\.pt' is not a complete URL", tool="sample"),
+    "location: s3:///x with an empty bucket (snapshot.py info)": Case(
+        lambda d, s: [f"s3:///run/{SNAPSHOTS[-1]}"],
+        r"storage location 's3:///run/snapshot-000000010\.pt': no bucket after 's3://'", tool="info"),
+    "location: unknown protocol (snapshot.py list)": Case(
+        lambda d, s: ["s4://bucket/run"],
+        r"storage location 's4://bucket/run': unknown protocol 's4'", tool="list"),
+    "location: s3:// without a bucket (snapshot.py list)": Case(
+        lambda d, s: ["s3://"],
+        r"storage location 's3://': no bucket after 's3://'", tool="list"),
+    "location: missing folder (snapshot.py list)": Case(
+        lambda d, s: [str(d / "no-such-folder")],
+        r"no such snapshot folder: .*/no-such-folder$", tool="list"),
     # ---- snapshots already in the snapshot folder
     "snapshot: every snapshot truncated": Case(
         lambda d, s: damage_all(s, lambda b: b[: len(b) // 2]) or ["trainer_config.max_steps=20"],
@@ -169,6 +218,10 @@ CASES: dict[str, Case] = {
     "snapshot: truncated (sample.py)": Case(
         lambda d, s: damage_all(s, lambda b: b[:4000]) or [f"snapshot={s / SNAPSHOTS[-1]}"],
         r"snapshot .*snapshot-000000010\.pt: unreadable \(.*\)$", tool="sample"),
+    "snapshot: a folder in the place of the newest snapshot (a store failure during resume)": Case(
+        lambda d, s: (s / snap.snapshot_name(11)).mkdir() or ["trainer_config.max_steps=20"],
+        r"cannot read snapshot .*/snapshot-000000011\.pt \(1 attempt\(s\) in \d+\.\d s, last error "
+        r"IsADirectoryError: "),
     "snapshot: other model shape": Case(
         lambda d, s: ["gpt_config.n_embd=64"],
         r"is for a different model: n_embd=32 in the snapshot, 64 in the config"),
@@ -208,16 +261,25 @@ CASES: dict[str, Case] = {
 def command(case: Case, args: list[str], d: Path, snaps: Path) -> list[str]:
     if case.tool == "sample":
         return [PYTHON, str(PROJECT_DIR / "sample.py"), *args, "max_new_tokens=5"]
-    if case.tool == "info":
-        return [PYTHON, str(PROJECT_DIR / "snapshot.py"), "info", *args]
+    if case.tool in ("info", "list"):
+        return [PYTHON, str(PROJECT_DIR / "snapshot.py"), case.tool, *args]
     launcher = [PYTHON] if case.tool == "main" else [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
     return [*launcher, str(PROJECT_DIR / "main.py"), *TINY, "trainer_config.max_steps=10",
             "trainer_config.progress=off", f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={d / 'run'}",
             *args]  # fmt: skip
 
 
-def folder_contents(folder: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+def folder_contents(folder: Path) -> dict[str, bytes | dict]:
+    """Every file's bytes, by name; a folder as its own contents."""
+    return {p.name: folder_contents(p) if p.is_dir() else p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+# What a URL mangled into a local path would make: a folder named `s3:` (or `file:`, ...).
+URL_LIKE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def url_like_names(folder: Path) -> set[str]:
+    return {path.name for path in folder.iterdir() if URL_LIKE_NAME.match(path.name)}
 
 
 def error_lines(output: str) -> list[str]:
@@ -230,8 +292,10 @@ def error_lines(output: str) -> list[str]:
 class Outcome:
     result: subprocess.CompletedProcess
     snaps: Path
-    before: dict[str, bytes]
+    before: dict[str, bytes | dict]
     marker: Path
+    cwd: Path  # empty before the run
+    project_url_like_before: set[str]
 
 
 def run_case(name: str, trained: Path, d: Path) -> Outcome:
@@ -242,8 +306,12 @@ def run_case(name: str, trained: Path, d: Path) -> Outcome:
     before = folder_contents(snaps)
     env = {**subprocess_env(d), **case.env(d)}
     env = {key: value for key, value in env.items() if value is not None}
-    result = subprocess.run(command(case, args, d, snaps), cwd=d, env=env, capture_output=True, text=True, timeout=300)
-    return Outcome(result, snaps, before, d / "code-ran")
+    cwd = d / "cwd"  # its own folder: TMPDIR (torchrun's files) and the run folder are elsewhere in d
+    cwd.mkdir()
+    project_before = url_like_names(PROJECT_DIR)
+    result = subprocess.run(command(case, args, d, snaps), cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    return Outcome(result, snaps, before, d / "code-ran", cwd, project_before)
 
 
 @pytest.fixture(scope="module")
@@ -280,3 +348,5 @@ def test_bad_input_is_refused_in_one_line_and_changes_no_snapshot(name, outcomes
         assert result.returncode == 2
     assert folder_contents(outcome.snaps) == outcome.before  # not one snapshot written, removed or changed
     assert not outcome.marker.exists()  # nothing from a snapshot was executed
+    assert not list(outcome.cwd.iterdir())  # nothing written where the command ran (a local `s3:` folder, ...)
+    assert url_like_names(PROJECT_DIR) <= outcome.project_url_like_before  # nor in the project folder

@@ -200,3 +200,116 @@ def test_cli_info_and_list(tmp_path):
     assert [json.loads(line)["step"] for line in listing.stdout.splitlines()] == [20, 10]
     missing = run("info", str(tmp_path / "nope.pt"))
     assert missing.returncode == 2 and missing.stderr.startswith("error: no such snapshot")
+
+
+# --------------------------------------------------------------------------------------------------- locations
+@pytest.mark.parametrize("location, error", [
+    ("s3://", r"'s3://': no bucket after 's3://' \(expected s3://BUCKET/PATH\)"),
+    ("s3:/bucket/run", r"'s3:/bucket/run' is not a complete URL: 's3:' must be followed by '//'"),
+    ("s3:", r"'s3:' is not a complete URL"),
+    ("s3:///run", r"no bucket after 's3://'"),
+    ("http:///x", r"no host after 'http://' \(expected http://HOST/PATH\)"),
+    ("file://", r"no path after 'file://' \(expected file:///ABSOLUTE/PATH\)"),
+    ("file://runs/x", r"a file URL needs an absolute path"),
+    ("memory://", r"no path after 'memory://'"),
+    ("s4://bucket/run", r"unknown protocol 's4' \(fsspec knows s3, "),
+    ("S3://bucket/run", r"unknown protocol 'S3' \(did you mean s3://\?\)"),
+    ("a:b", r"unknown protocol 'a' .*a local path is written \./a:b"),
+    ("simplecache::s3://", r"no bucket after 's3://'"),
+    ("simplecache::runs/x", r"'runs/x' in a chained URL is not a URL"),
+    (" s3://bucket/run", r"is not a URL \(it does not start with PROTOCOL://\) nor a local path"),
+    ("runs/a::b", r"a local path cannot contain '://' or '::'"),
+    ("", r"location is empty"),
+])  # fmt: skip
+def test_a_location_that_looks_like_a_url_is_one_or_an_error(location, error, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=error) as raised:
+        snap.resolve_path(location)
+    assert "\n" not in str(raised.value)
+    with pytest.raises(UsageError, match=error):
+        snap.SnapshotStore(location)
+    assert not list(tmp_path.iterdir())  # no local folder made of a mangled URL
+
+
+def test_valid_urls_and_local_paths_with_a_colon(tmp_path, monkeypatch):
+    for url in ("s3://bucket", "s3://bucket/run/", "file:///tmp/x", "memory://x", "hdfs:///user/x",
+                "simplecache::s3://bucket/run", "zip://in.txt::s3://bucket/a.zip", "ftp://127.0.0.1:21/x"):
+        assert snap.resolve_path(url) == url
+    assert snap.resolve_path("runs/a:b") == str(PROJECT_DIR / "runs" / "a:b")  # a colon after the start: local
+    assert snap.resolve_path("./s3:/bucket") == str(PROJECT_DIR / "s3:" / "bucket")  # written as local on purpose
+    monkeypatch.chdir(tmp_path)
+    store = snap.SnapshotStore(f"file://{tmp_path}/snaps/")  # a file URL is a local folder, at its absolute path
+    assert store.is_local and store.location == f"file://{tmp_path}/snaps"
+    store.check_writable()
+    assert os.listdir(tmp_path) == ["snaps"]
+
+
+def test_cli_list_says_when_a_folder_is_missing_empty_or_a_file(tmp_path):
+    run = lambda *args: subprocess.run([sys.executable, str(PROJECT_DIR / "snapshot.py"), *args],
+                                       capture_output=True, text=True, timeout=60)  # noqa: E731
+    missing = run("list", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and missing.stderr == f"error: no such snapshot folder: {tmp_path / 'nope'}\n"
+    (tmp_path / "empty").mkdir()
+    empty = run("list", str(tmp_path / "empty"))
+    assert empty.returncode == 0 and empty.stdout == "" and empty.stderr == f"no snapshot in {tmp_path / 'empty'}\n"
+    snap.SnapshotStore(str(tmp_path)).write(snap.snapshot_name(10), snap.to_bytes(make_snapshot(10)))
+    a_file = run("list", str(tmp_path / snap.snapshot_name(10)))
+    assert a_file.returncode == 2 and "is a file, not a snapshot folder" in a_file.stderr, a_file.stderr
+
+
+# --------------------------------------------------------------------------------------------------- store failures
+def fail_first(monkeypatch, store: snap.SnapshotStore, method: str, times: int, error: Exception) -> list[int]:
+    """Make `store.fs.<method>` raise `error` on its first `times` calls; returns the list of calls made."""
+    real, calls = getattr(store.fs, method), []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= times:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store.fs, method, flaky)
+    return calls
+
+
+def test_a_store_failing_while_reading_snapshots_is_retried_as_a_save_is(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(snap, "SAVE_FIRST_BACKOFF_S", 0.01)
+    store = snap.SnapshotStore(str(tmp_path))
+    store.write(snap.snapshot_name(10), snap.to_bytes(make_snapshot(10)))
+    calls = fail_first(monkeypatch, store, "cat_file", 2, ConnectionResetError(104, "Connection reset by peer"))
+    with caplog.at_level(logging.INFO, logger="snapshot"):
+        entry, _ = store.load_newest_valid(*expected(make_snapshot(10)))
+    assert entry.step == 10 and len(calls) == 3
+    retries = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(retries) == 2 and "attempt 1 of 4 failed (ConnectionResetError" in retries[0], retries
+
+
+def test_a_store_that_stays_down_while_reading_snapshots_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(snap, "SAVE_FIRST_BACKOFF_S", 0.01)
+    store = snap.SnapshotStore(str(tmp_path))
+    store.write(snap.snapshot_name(10), snap.to_bytes(make_snapshot(10)))
+    calls = fail_first(monkeypatch, store, "ls", 100, ConnectionRefusedError(111, "Connection refused"))
+    with pytest.raises(UsageError) as raised:
+        store.load_newest_valid(*expected(make_snapshot(10)))
+    message = str(raised.value)
+    assert message.startswith(f"cannot list the snapshots in {tmp_path} (4 attempt(s) in ") and "\n" not in message
+    assert message.endswith("last error ConnectionRefusedError: [Errno 111] Connection refused)") and len(calls) == 4
+
+
+def test_a_read_error_no_retry_can_fix_is_one_line_at_once(tmp_path, monkeypatch):
+    store = snap.SnapshotStore(str(tmp_path))
+    store.write(snap.snapshot_name(10), snap.to_bytes(make_snapshot(10)))
+    calls = fail_first(monkeypatch, store, "cat_file", 100, PermissionError(13, "Permission denied"))
+    with pytest.raises(UsageError, match=r"cannot read snapshot .*snapshot-000000010\.pt \(1 attempt\(s\) in .*"
+                                         r"PermissionError: \[Errno 13\] Permission denied\)$"):
+        store.load_newest_valid(*expected(make_snapshot(10)))
+    assert len(calls) == 1
+
+
+def test_a_snapshot_removed_after_the_listing_is_skipped(tmp_path, monkeypatch):
+    store = snap.SnapshotStore(str(tmp_path))
+    for step in (10, 20):
+        store.write(snap.snapshot_name(step), snap.to_bytes(make_snapshot(step)))
+    fail_first(monkeypatch, store, "cat_file", 1, FileNotFoundError(2, "No such file or directory"))
+    entry, _ = store.load_newest_valid(*expected(make_snapshot(10)))
+    assert entry.step == 10

@@ -4,7 +4,9 @@ down from the start, a local disk that fills up, and a read-only snapshot locati
 What must hold: a failed save is retried with backoff and then reported in one line; training goes on; the
 previous snapshot stays the newest valid one, byte for byte, and nothing half-written appears as a snapshot; the
 next save after the store comes back succeeds; a save that cannot be made at the end of training, or a location
-that cannot be written at the start, is a one-line error and a non-zero exit."""
+that cannot be written at the start, is a one-line error and a non-zero exit. A multipart upload that fails or is
+killed leaves no parts in the bucket; a store that fails while snapshots are read at start is retried as a save
+is, then one line."""
 
 from __future__ import annotations
 
@@ -276,6 +278,98 @@ def test_s3_down_until_the_end_fails_clearly_and_down_at_start_fails_fast(tmp_pa
     for key, body in after.items():  # whatever is there is complete: saves in flight either landed or not at all
         assert snap.from_bytes(body, key)["progress"]["step"] == step_of(key)
         assert f"snapshot s3://down/{key} saved" in log_text(tmp_path, "train")
+
+
+# ------------------------------------------------------------------------------------------- multipart uploads
+def incomplete_uploads(s3, bucket: str) -> list[str]:
+    return sorted(u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+
+
+def big_state(step: int) -> tuple[dict, dict]:
+    """A snapshot of three 5 MiB parts (S3's smallest) once S3_PART_BYTES is 5 MiB: a multipart upload."""
+    state, metadata = tiny_state(step)
+    state["model"]["w"] = torch.full((3 * 2**20,), float(step))
+    return state, metadata
+
+
+def lose_connection_in_part_2(monkeypatch, fs: s3fs.S3FileSystem) -> list[str]:
+    """From now on every upload's part 2 fails as a dropped connection does, and so does the abort that s3fs makes
+    right after it (the connection is gone); later requests go through. Returns the S3 calls made."""
+    real, calls, lost = fs._call_s3, [], []
+
+    async def call(method, *args, **kwargs):
+        calls.append(method)
+        if method == "upload_part" and kwargs.get("PartNumber") == 2:
+            lost.append(True)
+            raise ConnectionResetError(104, "Connection reset by peer (injected)")
+        if method == "abort_multipart_upload" and lost:
+            lost.clear()
+            raise ConnectionResetError(104, "Connection reset by peer (injected)")
+        return await real(method, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "_call_s3", call)
+    return calls
+
+
+def test_a_failed_multipart_save_leaves_no_incomplete_upload(s3_server, s3, monkeypatch):
+    monkeypatch.setattr(snap, "S3_PART_BYTES", 5 * 2**20)
+    monkeypatch.setattr(snap, "SAVE_FIRST_BACKOFF_S", 0.01)
+    s3.create_bucket(Bucket="mpu")
+    store = snap.SnapshotStore("s3://mpu/run")
+    writer = snap.BackgroundWriter(store, keep_last=2)
+    calls = lose_connection_in_part_2(monkeypatch, store.fs)
+    state, metadata = big_state(10)
+    writer.submit(snap.snapshot_name(10), state, metadata, world_size=1, reason="test")
+    with pytest.raises(UsageError, match=r"snapshot s3://mpu/run/snapshot-000000010\.pt not saved \(4 attempt"):
+        writer.wait()
+    assert calls.count("create_multipart_upload") == 4 and calls.count("upload_part") >= 8  # really in parts
+    assert incomplete_uploads(s3, "mpu") == [] and "Contents" not in s3.list_objects_v2(Bucket="mpu")
+
+    monkeypatch.undo()  # the connection holds again: the same save in parts completes
+    monkeypatch.setattr(snap, "S3_PART_BYTES", 5 * 2**20)
+    state, metadata = big_state(20)
+    writer.submit(snap.snapshot_name(20), state, metadata, world_size=1, reason="test")
+    writer.wait()
+    body = s3.get_object(Bucket="mpu", Key="run/snapshot-000000020.pt")["Body"].read()
+    assert len(body) > 2 * snap.S3_PART_BYTES and snap.from_bytes(body, "s3")["progress"]["step"] == 20
+    assert incomplete_uploads(s3, "mpu") == []
+
+
+def test_incomplete_uploads_of_killed_saves_are_aborted_by_the_next_save(s3_server, s3, caplog):
+    """A save killed mid-upload (SIGKILL, a lost node) leaves its parts; the next completed save aborts them, and
+    only the uploads of snapshots in its own location."""
+    caplog.set_level(logging.INFO, logger="snapshot")
+    s3.create_bucket(Bucket="killed")
+    keys = ["run/snapshot-000000010.pt", "run/notes.bin", "run/sub/snapshot-000000010.pt",
+            "other/snapshot-000000010.pt"]
+    for key in keys:
+        upload = s3.create_multipart_upload(Bucket="killed", Key=key)
+        s3.upload_part(Bucket="killed", Key=key, PartNumber=1, UploadId=upload["UploadId"], Body=b"x" * 1024)
+    writer = snap.BackgroundWriter(snap.SnapshotStore("s3://killed/run"), keep_last=2)
+    submit(writer, 20)
+    writer.wait()
+    assert incomplete_uploads(s3, "killed") == sorted(keys[1:])
+    saved = [r.getMessage() for r in caplog.records if "saved" in r.getMessage()]
+    assert len(saved) == 1 and saved[0].endswith("; removed the incomplete upload of snapshot-000000010.pt"), saved
+
+
+def test_s3_down_while_a_job_reads_its_snapshots_is_one_line(s3_server, s3, monkeypatch):
+    """The store fails after the start-up check, while snapshots are listed and loaded: tried again as a failed
+    save is, then one line (no traceback)."""
+    monkeypatch.setattr(snap, "SAVE_FIRST_BACKOFF_S", 0.01)
+    s3.create_bucket(Bucket="resume")
+    writer = snap.BackgroundWriter(snap.SnapshotStore("s3://resume/run"), keep_last=2)
+    submit(writer, 10)
+    writer.wait()
+    s3_server.stop()
+    s3fs.S3FileSystem.clear_instance_cache()  # a new process: nothing listed yet
+    store = snap.SnapshotStore("s3://resume/run", {"config_kwargs": {"retries": {"total_max_attempts": 1}}})
+    start = time.perf_counter()
+    with pytest.raises(UsageError) as error:
+        store.load_newest_valid(*tiny_state(10)[1].values())
+    message = str(error.value)
+    assert message.startswith("cannot list the snapshots in s3://resume/run (4 attempt(s) in ") and "\n" not in message
+    assert "EndpointConnectionError" in message and time.perf_counter() - start < 30
 
 
 # ------------------------------------------------------------------------------------------- local disk
