@@ -91,35 +91,87 @@ OmegaConf.register_new_resolver("rank_zero_only", lambda value: value if _global
 # ------------------------------------------------------------------------------------------------------- config
 def compose_config(overrides: list[str]) -> TrainConfig:
     """gpt2_train_cfg.yaml + overrides as validated dataclasses, for tools other than training (bench.py)."""
-    composed = precheck_config_overrides(CONFIG_NAME, overrides)
-    if composed is None:
-        raise UsageError(f"unknown options: {' '.join(a for a in overrides if a.startswith('-'))}")
-    return to_dataclasses(composed)
+    flags = [a for a in overrides if a.startswith("-")]
+    if flags:
+        raise UsageError(f"unknown options: {' '.join(flags)}")
+    return to_dataclasses(precheck_config_overrides(CONFIG_NAME, overrides)[0])
 
 
-def precheck_config_overrides(config_name: str, overrides: list[str]) -> Optional[DictConfig]:
-    """Compose a config once with Hydra's compose API, so that a bad override fails with one line.
+# Hydra's command-line flags: those whose next argument (or `=value`) is their value, those without one, and those
+# after which the config is no longer ours to check (another config file, shell completion, Hydra's own info).
+HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p"}
+HYDRA_FLAGS = {"--multirun", "-m", "--run", "-r", "--resolve"}
+HYDRA_MODES = {"--run": {"--run", "-r"}, "--multirun": {"--multirun", "-m"}, "--cfg": {"--cfg", "-c"}}
+HYDRA_FLAGS_ELSEWHERE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--info", "-i",
+                         "--shell-completion", "-sc", "--version", "--hydra-help", "--experimental-rerun"}  # fmt: skip
 
-    Hydra's own report of the same error spans several lines plus a hint about HYDRA_FULL_ERROR. Command-line
-    flags (--help, --cfg, -m ...) are left to Hydra itself (returns None).
-    """
-    if any(arg.startswith("-") for arg in overrides):
+
+def split_hydra_flags(args: list[str]) -> Optional[tuple[set[str], list[str]]]:
+    """(flags, overrides) of a command line; None when a flag points Hydra at something other than our config."""
+    flags: set[str] = set()
+    overrides: list[str] = []
+    rest = iter(args)
+    for arg in rest:
+        if not arg.startswith("-"):
+            overrides.append(arg)
+            continue
+        name = arg.split("=", 1)[0]
+        if name in HYDRA_FLAGS_ELSEWHERE:
+            return None
+        if name in HYDRA_FLAGS_WITH_VALUE:
+            if "=" not in arg:
+                next(rest, None)
+        elif name not in HYDRA_FLAGS:
+            raise UsageError(f"unknown option {name} (see --help)")
+        flags.add(name)
+    modes = {mode for mode, names in HYDRA_MODES.items() if flags & names}
+    if len(modes) > 1:
+        raise UsageError(f"only one of {', '.join(sorted(modes))} can be given")
+    return flags, overrides
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """Overrides enough to check every value of a sweep (`-m`): each swept key with each of its values, the other
+    swept keys at their first value; not the whole cartesian product."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    choices = [
+        [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
+        for o in parsed
+    ]
+    first = [values[0] for values in choices]
+    jobs = [first] + [first[:i] + [value] + first[i + 1 :] for i, values in enumerate(choices) for value in values[1:]]
+    return jobs
+
+
+def precheck_config_overrides(config_name: str, args: list[str]) -> Optional[list[DictConfig]]:
+    """Compose a config (one per job of a sweep) with Hydra's compose API, so that a bad override fails with one
+    line.
+
+    Hydra's own report of the same error spans several lines plus a hint about HYDRA_FULL_ERROR. Its flags are
+    set aside (`--cfg job`, `-m`: under `-m` every swept value is checked); with flags that load another config
+    (`--config-name`, ...) the check is left to Hydra itself (returns None)."""
+    split = split_hydra_flags(args)
+    if split is None:
         return None
+    flags, overrides = split
     from hydra import compose, initialize_config_dir
 
+    jobs = sweep_jobs(overrides) if flags & {"--multirun", "-m"} else [overrides]
     try:
         with initialize_config_dir(config_dir=str(PROJECT_DIR), version_base="1.3"):
-            return compose(config_name=config_name, overrides=overrides)
+            composed = [compose(config_name=config_name, overrides=job) for job in jobs]
     except Exception as e:  # Hydra raises several exception types; all are user errors here
         cause = e.__cause__ or e.__context__
         detail = f" {first_line(cause)}" if cause is not None and first_line(cause) != first_line(e) else ""
         raise UsageError(f"{first_line(e)}{detail}") from None
+    return composed
 
 
 def precheck_overrides(overrides: list[str]) -> None:
     """The training config with these overrides, checked (keys, types, values) before Hydra makes a run folder."""
-    composed = precheck_config_overrides(CONFIG_NAME, overrides)
-    if composed is not None:
+    for composed in precheck_config_overrides(CONFIG_NAME, overrides) or []:
         to_dataclasses(composed)
 
 

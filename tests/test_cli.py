@@ -74,6 +74,13 @@ BAD_INPUTS = {
     "train_split of 1": (lambda d: ["data_config.train_split=1.0"], "train_split must be in (0, 1)"),
     "train_split of 0": (lambda d: ["data_config.train_split=0"], "train_split must be in (0, 1)"),
     "wrong type": (lambda d: ["gpt_config.n_layer=four"], "could not be converted to Integer"),
+    # Hydra's own flags do not bypass the check: every value of a sweep is checked before its first job runs.
+    "typo inside a sweep (-m)": (lambda d: ["-m", "trainer_config.max_step=1,2"], "Key 'max_step' not in"),
+    "bad value inside a sweep": (lambda d: ["--multirun", "trainer_config.batch_size=8,0"],
+                                 "batch_size must be positive, got 0"),
+    "typo with --cfg job": (lambda d: ["--cfg", "job", "gpt_config.n_layr=2"], "Key 'n_layr' not in"),
+    "unknown flag": (lambda d: ["--bogus"], "unknown option --bogus"),
+    "two Hydra modes": (lambda d: ["-m", "--cfg", "job"], "only one of --cfg, --multirun can be given"),
 }
 
 

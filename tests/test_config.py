@@ -100,5 +100,17 @@ def test_precheck_gives_one_line(overrides, message):
     assert "\n" not in text
 
 
-def test_precheck_leaves_flags_to_hydra():
-    main.precheck_overrides(["--cfg", "job"])  # no exception: Hydra handles its own flags
+def test_precheck_checks_around_hydra_flags():
+    main.precheck_overrides(["--cfg", "job", "trainer_config.max_steps=3"])  # Hydra prints it; the config is fine
+    main.precheck_overrides(["--cfg=hydra", "trainer_config.max_steps=3"])
+    main.precheck_overrides(["-m", "trainer_config.max_steps=3,4"])
+    main.precheck_overrides(["--config-name", "other", "nonsense=1"])  # another config: Hydra's to check
+    with pytest.raises(UsageError, match="Key 'max_step' not in"):
+        main.precheck_overrides(["-m", "trainer_config.max_steps=1,2", "trainer_config.max_step=3"])
+    with pytest.raises(UsageError, match="learning_rate=x .*could not be converted to Float"):
+        main.precheck_overrides(["-m", "optimizer_config.learning_rate=1e-3,x", "trainer_config.max_steps=1,2"])
+
+
+def test_sweep_jobs_cover_every_value_without_the_whole_product():
+    jobs = main.sweep_jobs(["a=1,2,3", "b=x", "c=range(0,2)"])
+    assert jobs == [["a=1", "b=x", "c=0"], ["a=2", "b=x", "c=0"], ["a=3", "b=x", "c=0"], ["a=1", "b=x", "c=1"]]
