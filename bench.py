@@ -43,6 +43,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+import distributed
 import main
 from char_dataset import CharCorpus
 from errors import UsageError
@@ -274,7 +275,7 @@ def time_training(args, cfg, corpus: CharCorpus, ctx: DistContext, trainer: Trai
 def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
     cfg = main.compose_config(overrides)
     corpus = CharCorpus.load(cfg.data_config)
-    ctx: DistContext = main.setup_distributed()
+    ctx: DistContext = distributed.setup_distributed()
     try:
         main.setup_logging(ctx.rank, None)
         logging.getLogger().setLevel(logging.WARNING)  # the benchmark prints its own result
@@ -288,13 +289,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
             if location == main.TrainerConfig().snapshot_path or not location:
                 location = tempfile.mkdtemp(prefix="bench-snapshots-")
             snapshot = time_snapshots(trainer, args.snapshots, location)
-        if ctx.distributed:
-            dist.barrier()
-        if not ctx.is_main:
-            return None
-        return {**summarize(args, cfg, trainer, times, snapshot), **comparison}
-    finally:
-        main.teardown_distributed()
+        result = {**summarize(args, cfg, trainer, times, snapshot), **comparison} if ctx.is_main else None
+    except BaseException:
+        distributed.abandon_distributed()  # no collective teardown: a peer may never reach it
+        raise
+    distributed.leave_distributed()  # together, after the last collective
+    return result
 
 
 def summarize(args, cfg, trainer: Trainer, times: list[float], snapshot: Optional[dict]) -> dict:

@@ -11,30 +11,34 @@ process group exists) -> read the text -> set up the process group -> build GPT 
 
 from __future__ import annotations
 
+from orphans import exit_with_parent
+
+exit_with_parent()  # before the imports below: torch alone takes seconds, and the agent may die meanwhile
+
 import atexit
 import dataclasses
-import datetime
 import functools
 import logging
 import os
 import sys
-import time
 import traceback
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import hydra
 import torch
-import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from char_dataset import CharCorpus, DataConfig, resolve_path
-from errors import UsageError, first_line
+from distributed import (
+    abandon_distributed, check_launch_environment, global_rank, leave_distributed, on_abrupt_exit, report_failure,
+    setup_distributed,
+)  # fmt: skip
+from errors import UsageError, describe, first_line
 from model import GPT, GPTConfig
 from optim import OptimizerConfig, build_optimizer, learning_rate
 from plot import write_loss_plot
@@ -62,30 +66,8 @@ class TrainConfig:
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
-def _global_rank() -> int:
-    rank = os.environ.get("RANK", "0")
-    return int(rank) if rank.isdigit() else 0  # a RANK that is not a number is reported by check_launch_environment
-
-
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def check_launch_environment() -> None:
-    """RANK without the rest of what torchrun sets (a variable leaked from another job, a hand-made launch) would
-    fail deep inside torch.distributed; say what is missing instead."""
-    if "RANK" not in os.environ:
-        return
-    missing = [name for name in TORCHRUN_VARIABLES if not os.environ.get(name)]
-    if missing:
-        raise UsageError(f"RANK is set but {', '.join(missing)} is not: launch with torchrun, or unset RANK to run "
-                         f"a single process")  # fmt: skip
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        if not os.environ[name].isdigit():
-            raise UsageError(f"environment variable {name}={os.environ[name]!r} is not a number")
-
-
 # Every rank runs @hydra.main, but only global rank 0 may write Hydra's .hydra/ folder (config, overrides).
-OmegaConf.register_new_resolver("rank_zero_only", lambda value: value if _global_rank() == 0 else None)
+OmegaConf.register_new_resolver("rank_zero_only", lambda value: value if global_rank() == 0 else None)
 
 
 # ------------------------------------------------------------------------------------------------------- config
@@ -237,79 +219,7 @@ def scrub_hydra_output(run_dir: Path, cfg: DictConfig, sweep_dir: Optional[Path]
         path.write_text(text, encoding="utf-8")
 
 
-# ------------------------------------------------------------------------------------------------------- processes
-def _this_attempts_store(rank: int, world_size: int, timeout: datetime.timedelta) -> Optional[dist.Store]:
-    """A namespace of torchrun's store that no earlier attempt (restart) of this job has used; None if not needed.
-
-    torchrun's c10d rendezvous (the default of --standalone and of the multi-node form) hands the workers the
-    agent's own TCPStore (MASTER_ADDR:MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE=True) and keeps that same store
-    server for every restart: DynamicRendezvousHandler.next_rendezvous (torch/distributed/elastic/rendezvous/
-    dynamic_rendezvous.py) creates it only while `_bootstrap_store_info` is None, i.e. in the first round. The
-    default process group's keys (`default_pg/0//cpu//0/<rank>`: each gloo rank's listening address; NCCL's
-    unique id) therefore survive a restart, and a restarted rank may read a peer's address of the previous attempt
-    before the peer has overwritten it: "Gloo connectFullMesh failed ... Connection refused" (or a hang in
-    connect), which burns one of --max-restarts. (TORCHELASTIC_RESTART_COUNT cannot name the attempt: each node's
-    agent counts its own restarts.) TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment avoids it by
-    having global rank 0 host a new store on a new port each attempt; this does the same inside the shared store,
-    so the documented commands need no variable.
-
-    The ranks agree on a fresh random token that no stale key can imitate: rank 0 publishes its token; every
-    other rank answers under the token it read with a token of its own, and accepts the token once rank 0 has
-    confirmed that answer under a key named after its own token, which no earlier attempt can have written. A
-    rank that read an earlier attempt's token is never confirmed; it polls until the token changes and answers
-    again. The process group then lives under `mingpt/<token>/pg/` in the same store.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or world_size == 1:
-        return None  # a store created for this attempt (env:// with rank 0 hosting it), or nothing to share
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timeout)  # fmt: skip
-    mine = uuid.uuid4().hex
-    if rank == 0:
-        store.set("mingpt/attempt", mine)
-        answers = [f"mingpt/{mine}/answer/{r}" for r in range(1, world_size)]
-        store.wait(answers)  # every other rank has answered under this attempt's token
-        store.multi_set([f"mingpt/{mine}/ok/{t.decode()}" for t in store.multi_get(answers)], ["1"] * len(answers))
-        token = mine
-    else:
-        deadline, token = time.monotonic() + timeout.total_seconds(), ""
-        while True:
-            current = store.get("mingpt/attempt").decode()  # waits until a first attempt has published one
-            if current != token:  # (again) answer under the newest token: an earlier attempt's is never confirmed
-                token = current
-                store.set(f"mingpt/{token}/answer/{rank}", mine)
-            if store.check([f"mingpt/{token}/ok/{mine}"]):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank}: no confirmation from rank 0 within {timeout}")
-            time.sleep(0.05)
-    return dist.PrefixStore(f"mingpt/{token}/pg", store)
-
-
-def setup_distributed() -> DistContext:
-    """Join the process group torchrun describes in the environment; without RANK, run as a single process."""
-    cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:
-        return DistContext(device=torch.device("cuda:0" if cuda else "cpu"))
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    timeout = datetime.timedelta(minutes=10)
-    store = _this_attempts_store(rank, world_size, timeout)  # restarts under torchrun: see there
-    group = {"store": store, "rank": rank, "world_size": world_size} if store is not None else {}
-    if cuda:
-        device = torch.device(f"cuda:{local_rank}")
-        torch.cuda.set_device(device)  # before init_process_group, so NCCL binds this process to its own GPU
-        dist.init_process_group("nccl", device_id=device, timeout=timeout, **group)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout, **group)
-    return DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
-
-
-def teardown_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
+# ------------------------------------------------------------------------------------------------------- logging
 class _ConsoleHandler(logging.Handler):
     """Writes to stdout through tqdm, so that messages appear above a progress bar instead of breaking it."""
 
@@ -381,24 +291,19 @@ def build_trainer(
 
 
 def train(cfg: TrainConfig, run_dir: Path) -> None:
+    """Read the data, join the job, fit, report. Leaves the process group to the caller (see hydra_main)."""
     corpus = CharCorpus.load(cfg.data_config)  # bad data fails here, before any process group
     check_launch_environment()
     ctx = setup_distributed()
-    try:
-        setup_logging(ctx.rank, run_dir)
-        configure_device(ctx.device)
-        log.info("run directory: %s", run_dir)
-        log.info("data: %s characters, vocabulary of %d", f"{corpus.data.numel():,}", len(corpus.vocab))
-        trainer = build_trainer(cfg, corpus, ctx, run_dir)
-        trainer.fit()
-        if ctx.is_main and not trainer.stopped_early:
-            report_results(trainer, corpus, run_dir)
-        if ctx.distributed:
-            # Leave together: a rank that tears down its gloo connections while a peer still finishes its last
-            # collective can make that peer's gloo threads abort. (Not on the error path: a peer may be gone.)
-            dist.barrier()
-    finally:
-        teardown_distributed()
+    setup_logging(ctx.rank, run_dir)
+    configure_device(ctx.device)
+    log.info("run directory: %s", run_dir)
+    log.info("data: %s characters, vocabulary of %d", f"{corpus.data.numel():,}", len(corpus.vocab))
+    trainer = build_trainer(cfg, corpus, ctx, run_dir)
+    on_abrupt_exit(lambda: trainer.wait_for_snapshot(raise_error=False))  # a snapshot being written is finished
+    trainer.fit()
+    if ctx.is_main and trainer.trained_steps and not trainer.stopped_early:
+        report_results(trainer, corpus, run_dir)
 
 
 def report_results(trainer: Trainer, corpus: CharCorpus, run_dir: Path) -> None:
@@ -418,17 +323,28 @@ def _lr_at(step: int, total_steps: int, opt_cfg: OptimizerConfig) -> float:
     return learning_rate(step, opt_cfg, total_steps)
 
 
-def _report_usage_error(error: UsageError) -> None:
-    rank = _global_rank()
-    prefix = f"[rank {rank}] " if rank else ""
-    print(f"{prefix}error: {error}", file=sys.stderr, flush=True)
+def report_error(error: BaseException) -> int:
+    """One line for a mistake the user can fix, the traceback for a bug; printed by one rank only: the first of the
+    job to fail (the errors of peers that fail because of it, or with the same error, say nothing new). The exit
+    code."""
+    usage = isinstance(error, UsageError)
+    if report_failure(str(error) if usage else describe(error)):
+        if usage:
+            rank = global_rank()
+            print(f"{f'[rank {rank}] ' if rank else ''}error: {error}", file=sys.stderr, flush=True)
+        else:
+            # A bug: keep the whole traceback, but not Hydra's own report, whose first line repeats every
+            # override (snapshot_storage_options values included) into the job's log.
+            traceback.print_exception(error)
+            sys.stderr.flush()
+    return 2 if usage else 1
 
 
 @hydra.main(version_base="1.3", config_path=".", config_name=CONFIG_NAME)
 def hydra_main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    if _global_rank() == 0:
+    if global_rank() == 0:
         sweep_dir = Path(hydra_cfg.sweep.dir) if hydra_cfg.mode == RunMode.MULTIRUN else None
         scrub_hydra_output(run_dir, cfg, sweep_dir)
     try:
@@ -438,14 +354,11 @@ def hydra_main(cfg: DictConfig) -> None:
             job_name = sweep_job_name(sys.argv[1:], list(hydra_cfg.overrides.task)) or str(hydra_cfg.job.num)
             settings.trainer_config.snapshot_path = f"{settings.trainer_config.snapshot_path.rstrip('/')}/{job_name}"
         train(settings, run_dir)
-    except UsageError as e:
-        _report_usage_error(e)
-        sys.exit(2)
-    except Exception:
-        # A bug: keep the whole traceback, but not Hydra's own report, whose first line repeats every override
-        # (snapshot_storage_options values included) into the job's log.
-        traceback.print_exc()
-        sys.exit(1)
+    except Exception as error:
+        code = report_error(error)  # first, before anything that could wait for peers
+        abandon_distributed()  # no collective teardown: a peer may never reach it
+        sys.exit(code)
+    leave_distributed()
 
 
 def sweep_job_name(argv: list[str], job_overrides: list[str]) -> str:
@@ -497,8 +410,7 @@ def cli() -> None:
     try:
         precheck_overrides(sys.argv[1:])
     except UsageError as e:
-        _report_usage_error(e)
-        sys.exit(2)
+        sys.exit(report_error(e))
     hydra_main()
 
 

@@ -37,6 +37,7 @@ from char_dataset import check_location
 from errors import UsageError
 from shm_allreduce import FLOAT_BYTES, SharedMemoryAllReduce, shared_memory_allreduce_hook
 from snapshot import SnapshotStore
+from stopping import StopDeadline, StopVote
 
 log = logging.getLogger(__name__)
 step_log = logging.getLogger(f"{__name__}.steps")  # per-step lines: a console filter drops them when a bar shows
@@ -70,10 +71,14 @@ class TrainerConfig:
     save_every: int = 1  # write a snapshot every this many epochs (and always at the end of training)
     save_every_steps: Optional[int] = None  # also write one every this many optimizer steps; null = off
     keep_last: int = 2  # snapshots kept; older ones are deleted once a newer one is complete
+    # After SIGTERM, a rank that cannot agree with its peers to stop within this many seconds (a peer is gone, or
+    # it is blocked in a collective) exits without a new snapshot; the last one stays. Below torchrun's 30 s.
+    stop_timeout_s: float = 15.0
     snapshot_storage_options: Any = None  # extra fsspec options for the snapshot location
 
     def __post_init__(self) -> None:
-        positive = ("max_epochs", "batch_size", "grad_accum_steps", "log_every_steps", "save_every", "keep_last")
+        positive = ("max_epochs", "batch_size", "grad_accum_steps", "log_every_steps", "save_every", "keep_last",
+                    "stop_timeout_s")  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UsageError(f"trainer_config.{name} must be positive, got {getattr(self, name)}")
@@ -298,6 +303,8 @@ class Trainer:
         self._fit_start = time.perf_counter()
         self.snapshot_blocked_s: list[float] = []  # training-thread time per snapshot, for reports and bench.py
         self.stopped_early = False
+        self.trained_steps = 0  # optimizer steps taken by this fit() (0: the snapshot was already at the end)
+        self._stop_vote = StopVote(ctx.device) if ctx.distributed else None
         self.total_steps = self._total_steps()
         self._reset_window()
         if self.ddp is not None:
@@ -432,17 +439,22 @@ class Trainer:
     def fit(self) -> None:
         self._fit_start = time.perf_counter()
         self._restore()
-        log.info(
-            "training: steps %d -> %d (%d per epoch, %d epochs max), %d process(es) on %s, %s, %s tokens per step",
-            self.step, self.total_steps, self.steps_per_epoch, self.cfg.max_epochs, self.ctx.world_size,
-            self.ctx.device.type, str(self.amp_dtype).removeprefix("torch."), f"{self.tokens_per_step:,}",
-        )  # fmt: skip
+        if self.step >= self.total_steps:
+            self._report_nothing_to_train()
+        else:
+            log.info(
+                "training: steps %d -> %d (%d per epoch, %d epochs max), %d process(es) on %s, %s, %s tokens per step",
+                self.step, self.total_steps, self.steps_per_epoch, self.cfg.max_epochs, self.ctx.world_size,
+                self.ctx.device.type, str(self.amp_dtype).removeprefix("torch."), f"{self.tokens_per_step:,}",
+            )  # fmt: skip
         self._reset_window()
+        first_step = self.step
         self.progress = Progress(self.cfg.progress, self.ctx.is_main, self.total_steps, self.step)
         try:
             self._train_until_done()
         finally:
             self.progress.close()
+        self.trained_steps = self.step - first_step
         if not self.stopped_early:
             if self._last_eval_step != self.step:
                 self._evaluate()
@@ -451,15 +463,25 @@ class Trainer:
         self._finish()
         self.metrics.close()
 
+    def _report_nothing_to_train(self) -> None:
+        limits = f"max_steps={self.cfg.max_steps}, max_epochs={self.cfg.max_epochs}"
+        log.info("nothing to train: the snapshot in %s is at step %d, the end of this run (%s). To continue it, "
+                 "raise trainer_config.max_steps or trainer_config.max_epochs; to start afresh, use another "
+                 "trainer_config.snapshot_path", self.snapshots.location if self.snapshots else "memory", self.step,
+                 limits)  # fmt: skip
+
     def _train_until_done(self) -> None:
-        with self._sigterm_requests_stop():
+        with self._sigterm_requests_stop() as deadline:
             while self.step < self.total_steps:
                 self.train_step()
                 self.progress.advance()
                 self._after_step()
                 if self._stop_agreed():
+                    deadline.agreed.set()
                     self._stop_early()
                     break
+            if self._stop_vote is not None:
+                self._stop_vote.finish()  # no collective of this loop left behind
 
     def train_step(self) -> None:
         """One optimizer step on the next batches of the epoch (bench.py times exactly this)."""
@@ -537,35 +559,33 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------- stopping
     @contextlib.contextmanager
-    def _sigterm_requests_stop(self) -> Iterator[None]:
-        """SIGTERM (sent by torchrun, SLURM and cloud schedulers before a kill) ends training after the current
-        step with a snapshot, instead of killing the process mid-step."""
+    def _sigterm_requests_stop(self) -> Iterator["StopDeadline"]:
+        """SIGTERM (sent by torchrun, SLURM and cloud schedulers before a kill, and by the kernel when the torchrun
+        agent dies) ends training after the current step with a snapshot, instead of killing the process mid-step.
+        A rank that cannot agree with its peers to stop within stop_timeout_s leaves without one (StopDeadline)."""
 
         def request_stop(signum: int, _frame) -> None:
             self._stop_signal = signum
 
         if threading.current_thread() is not threading.main_thread():
-            yield
+            yield StopDeadline(None, self.ctx.rank, self._finish_snapshot_quietly)
             return
         previous = signal.signal(signal.SIGTERM, request_stop)
+        deadline = StopDeadline(self.cfg.stop_timeout_s, self.ctx.rank, self._finish_snapshot_quietly)
         try:
-            yield
+            yield deadline
         finally:
+            deadline.close()
             signal.signal(signal.SIGTERM, previous)
+
+    def _finish_snapshot_quietly(self) -> None:
+        self.wait_for_snapshot(raise_error=False)
 
     def _stop_agreed(self) -> bool:
         """All ranks must stop after the same step, or the ones left would wait forever in the next all-reduce."""
         if not self.ctx.distributed:
             return self._stop_signal is not None
-        requested = torch.tensor([0 if self._stop_signal is None else 1], dtype=torch.int32)
-        dist.all_reduce(requested, op=dist.ReduceOp.MAX, group=self._control_group())
-        return bool(requested.item())
-
-    def _control_group(self) -> Optional[dist.ProcessGroup]:
-        """A CPU (gloo) group for the stop flag, so that agreeing on it never waits for the GPU."""
-        if not hasattr(self, "_gloo_group"):
-            self._gloo_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-        return self._gloo_group
+        return self._stop_vote.cast(self._stop_signal is not None)
 
     def _stop_early(self) -> None:
         self.stopped_early = True
@@ -620,10 +640,10 @@ class Trainer:
         self.snapshot_blocked_s.append(time.perf_counter() - start)
         self._window_start += time.perf_counter() - start
 
-    def wait_for_snapshot(self) -> None:
-        """Block until the snapshot being written is complete (raises if writing it failed)."""
+    def wait_for_snapshot(self, raise_error: bool = True) -> None:
+        """Block until the snapshot being written is complete (raises if writing it failed, if asked to)."""
         if self._writer is not None:
-            self._writer.wait()
+            self._writer.wait(raise_error=raise_error)
 
     def _restore(self) -> None:
         """Load the newest valid snapshot, if any. Every rank loads it; all must agree on which."""
@@ -658,7 +678,7 @@ class Trainer:
         self.epoch_samples = progress["epoch_samples"]
         self.last_val_loss, self._last_eval_step = progress["val_loss"], progress["last_eval_step"]
         saved_world_size = snap["world_size"]
-        if saved_world_size != self.ctx.world_size:
+        if saved_world_size != self.ctx.world_size and self.ctx.is_main:  # one line for the job
             log.warning("snapshot was written by %d process(es), resuming with %d: continuing at global sample %d "
                         "of epoch %d", saved_world_size, self.ctx.world_size, self.epoch_samples, self.epoch)  # fmt: skip
         self.total_steps = self._total_steps()

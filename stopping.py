@@ -1,0 +1,130 @@
+"""Stopping a distributed job together: agreeing on the step after which every rank stops, and a deadline for a
+rank that cannot agree.
+
+    vote = StopVote(device)              # once per job
+    if vote.cast(stop_requested): ...    # after every step: True on every rank after the same step
+
+SIGTERM sets a flag in the main thread; the ranks must stop after the same step, or the ones left would wait
+forever in the next all-reduce. Agreeing costs one all-reduce of one flag per step: StopVote starts it in the
+background and reads it one step later, so no step waits for a round trip (a stop lands one step later instead).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+class StopVote:
+    """The stop flags of all ranks, max-reduced in the background: `cast(flag)` returns the result of the
+    previous call's flags, which every rank receives after the same step.
+
+    On CPU the flag goes through the default (gloo) group. On CUDA it goes through NCCL like the gradients (no second
+    transport): a side stream waits for the all-reduce and copies the flag to pinned host memory, so neither the
+    training stream nor the host waits; one step later the copy's event has long completed."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.side_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.pending: Optional[tuple[Optional[dist.Work], torch.Tensor, Optional[torch.cuda.Event]]] = None
+
+    def cast(self, flag: bool) -> bool:
+        agreed = self._result()
+        self.pending = self._start(flag)
+        return agreed
+
+    def finish(self) -> None:
+        """Wait for the vote in flight (before the job's next collectives or its teardown)."""
+        self._result()
+
+    def _start(self, flag: bool) -> tuple:
+        if not self.cuda:
+            value = torch.tensor([int(flag)], dtype=torch.int32)
+            return dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True), value, None
+        on_device = torch.full((1,), int(flag), dtype=torch.int32, device=self.device)  # a kernel, no host copy
+        work = dist.all_reduce(on_device, op=dist.ReduceOp.MAX, async_op=True)
+        host = torch.empty(1, dtype=torch.int32).pin_memory()
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.side_stream):
+            work.wait()  # the side stream (not the training stream) waits for NCCL
+            host.copy_(on_device, non_blocking=True)
+            on_device.record_stream(self.side_stream)
+            done.record(self.side_stream)
+        return None, host, done
+
+    def _result(self) -> bool:
+        if self.pending is None:
+            return False
+        work, value, done = self.pending
+        self.pending = None
+        if work is not None:
+            work.wait()
+        if done is not None:
+            done.synchronize()
+        return bool(value.item())
+
+
+class StopDeadline:
+    """After SIGTERM, the rank has `timeout_s` to agree with its peers to stop (`agreed.set()`); if it cannot, it
+    leaves by itself.
+
+    A rank blocked in a collective with a peer that is gone cannot even run its Python SIGTERM handler (that runs
+    only between bytecodes of the main thread), so torchrun would wait its full 30 s before SIGKILL at every
+    restart. CPython's C-level handler still writes the signal's number to the wakeup fd at once; a thread reading
+    it starts the clock. On timeout: finish a snapshot being written (`before_exit`), one line, exit 143."""
+
+    def __init__(self, timeout_s: Optional[float], rank: int, before_exit: Callable[[], None]) -> None:
+        self.agreed = threading.Event()
+        self.timeout_s, self.rank, self.before_exit = timeout_s, rank, before_exit
+        self._closed = threading.Event()
+        self._reader = self._writer = -1
+        self._previous_fd = -1
+        if timeout_s is None:
+            return
+        self._reader, self._writer = os.pipe()
+        os.set_blocking(self._writer, False)
+        self._previous_fd = signal.set_wakeup_fd(self._writer, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="mingpt-stop-deadline", daemon=True).start()
+
+    def _watch(self) -> None:
+        try:
+            self._wait_for_sigterm_then_deadline()
+        finally:
+            os.close(self._reader)
+
+    def _wait_for_sigterm_then_deadline(self) -> None:
+        while True:
+            try:
+                received = os.read(self._reader, 64)
+            except OSError:
+                return
+            if not received or self._closed.is_set():
+                return
+            if signal.SIGTERM in received:
+                break
+        if self.agreed.wait(self.timeout_s) or self._closed.is_set():
+            return
+        log.error("[rank %d] SIGTERM: could not agree with the other ranks to stop within %.0f s (trainer_config."
+                  "stop_timeout_s; a peer is gone or stuck): leaving without a new snapshot, the last one stays",
+                  self.rank, self.timeout_s)  # fmt: skip
+        self.before_exit()
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(128 + signal.SIGTERM)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._writer < 0:
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        os.close(self._writer)  # the reader sees end of file and returns
+        self._writer = -1

@@ -1,0 +1,135 @@
+"""How a job begins and ends, with real torchrun processes: a rerun of a finished job, a torchrun agent that dies
+(its workers must not train on as orphans), one rank that fails (the others end within seconds, the error is
+printed once), and SIGTERM while a peer is stuck (the rank leaves within trainer_config.stop_timeout_s)."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import snapshot as snap
+from conftest import TINY, child_pids, logged_step, run_cli, start_cli, wait_for
+
+
+def job_args(snaps: Path, run_dir: Path, max_steps: int, every: int = 10) -> list[str]:
+    return [*TINY, f"trainer_config.max_steps={max_steps}", f"trainer_config.save_every_steps={every}",
+            f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def weights(run_dir: Path) -> str:
+    return json.loads((run_dir / "summary.json").read_text())["weights_sha256"]
+
+
+def test_rerun_of_a_finished_job_says_so_and_exits_0(tmp_path):
+    snaps = tmp_path / "snaps"
+    first = run_cli(job_args(snaps, tmp_path / "run1", max_steps=20), tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # Again, as `make run` twice does: a new run directory, nothing to train. Under torchrun, where a crash at the
+    # end would use up every restart.
+    again = run_cli([*job_args(snaps, tmp_path / "run2", max_steps=20)], tmp_path, nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("nothing to train") == 1, again.stdout[-3000:]
+    assert "raise trainer_config.max_steps or trainer_config.max_epochs" in again.stdout
+    assert "Traceback" not in again.stderr and "training: steps" not in again.stdout
+    assert not (tmp_path / "run2" / "loss.png").exists()  # no plot or sample of a run that trained nothing
+    assert json.loads((tmp_path / "run2" / "summary.json").read_text())["steps"] == 20
+    assert [e.step for e in snap.SnapshotStore(str(snaps)).entries()] == [20, 10]  # nothing written
+
+    # The same error on every rank (a snapshot of another shape) is printed once, not once per rank.
+    other = run_cli([*job_args(snaps, tmp_path / "run3", max_steps=30), "gpt_config.n_layer=3"], tmp_path, nproc=2)
+    assert other.returncode != 0
+    errors = [line for line in other.stderr.splitlines() if "error:" in line and "n_layer" in line]
+    assert len(errors) == 1, other.stderr[-3000:]
+
+
+def test_workers_of_a_killed_agent_stop_and_a_rerun_ends_as_if_uninterrupted(tmp_path):
+    steps = 400  # ~10 s of training on 2 cores: orphans that trained on would still be at it when checked
+    straight = run_cli(job_args(tmp_path / "snaps_a", tmp_path / "run_a", steps), tmp_path, nproc=2)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    snaps, run_dir = tmp_path / "snaps_b", tmp_path / "run_b"
+    job = start_cli(job_args(snaps, run_dir, steps), tmp_path, nproc=2)
+    workers: list[int] = []
+    try:
+        wait_for(lambda: logged_step(run_dir) >= 20, timeout=120, what="step 20")
+        workers = child_pids(job.pid)
+        assert len(workers) == 2
+        os.kill(job.pid, signal.SIGKILL)  # the agent only, as the OOM killer would
+        job.wait()
+        killed_at = time.monotonic()
+        wait_for(lambda: not any(alive(w) for w in workers), timeout=15, what="the orphaned workers to exit")
+        gone_after = time.monotonic() - killed_at
+    finally:
+        kill_all(workers)
+    stopped_at = logged_step(run_dir)
+    assert stopped_at < steps - 50, stopped_at  # they stopped; they did not finish the job
+    assert gone_after < 10, gone_after
+    log = (tmp_path / "launch.log").read_text()
+    assert "stop requested (SIGTERM)" in log, log[-3000:]
+    assert not [p.name for p in snaps.iterdir() if ".tmp-" in p.name]  # nothing half-written
+    for entry in snap.SnapshotStore(str(snaps)).entries():
+        snap.read_file(str(snaps / entry.name))  # every snapshot there reads back intact
+
+    rerun = run_cli(job_args(snaps, run_dir, steps), tmp_path, nproc=2)  # the user runs the command again
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resumed from" in rerun.stdout
+    assert weights(run_dir) == weights(tmp_path / "run_a")
+
+
+def test_one_rank_failing_ends_every_rank_within_seconds_with_one_report(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "metrics.jsonl").mkdir(parents=True)  # rank 0's first metrics write fails; rank 1 writes none
+    job = start_cli([*job_args(tmp_path / "snaps", run_dir, 100000, every=1000)], tmp_path, nproc=2)
+    log_path = tmp_path / "launch.log"
+    try:
+        wait_for(lambda: "IsADirectoryError" in log_path.read_text() or job.poll() is not None, timeout=120,
+                 what="rank 0's failure")  # fmt: skip
+        failed_at = time.monotonic()
+        code = job.wait(timeout=60)
+        ended_after = time.monotonic() - failed_at
+    finally:
+        kill_all([*child_pids(job.pid), job.pid])
+    log = log_path.read_text()
+    assert code != 0
+    assert ended_after < 10, (ended_after, log[-3000:])
+    assert log.count("IsADirectoryError: [Errno 21]") == 1, log[-5000:]  # rank 0's traceback, once
+    assert "[rank 1]" not in log and "Connection closed" not in log, log[-5000:]  # rank 1 adds nothing
+
+
+def test_sigterm_with_a_stuck_peer_leaves_within_the_stop_timeout(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*job_args(tmp_path / "snaps", run_dir, 100000, every=1000), "trainer_config.stop_timeout_s=3"]
+    job = start_cli(args, tmp_path, nproc=2)
+    workers: list[int] = []
+    try:
+        wait_for(lambda: logged_step(run_dir) >= 5, timeout=120, what="step 5")
+        workers = child_pids(job.pid)
+        os.kill(workers[1], signal.SIGSTOP)  # a peer that neither answers nor closes its connections
+        time.sleep(1)  # the other rank is now blocked in a collective with it
+        os.kill(workers[0], signal.SIGTERM)
+        signalled_at = time.monotonic()
+        wait_for(lambda: not alive(workers[0]), timeout=30, what="the signalled rank to leave")
+        left_after = time.monotonic() - signalled_at
+    finally:
+        kill_all([*workers, job.pid])
+        job.wait()
+    log = (tmp_path / "launch.log").read_text()
+    assert 2.5 < left_after < 8, (left_after, log[-3000:])
+    assert log.count("could not agree with the other ranks to stop within 3 s") == 1, log[-3000:]
