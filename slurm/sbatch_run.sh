@@ -17,7 +17,7 @@
 # Network and NCCL settings users typically need (set them in the environment before sbatch):
 #   NCCL_DEBUG=INFO             print NCCL's choice of transport and interfaces (WARN once it works)
 #   NCCL_SOCKET_IFNAME=ib0      the interface NCCL and gloo bootstrap over (e.g. ib0, eth0, ^docker,lo)
-#   GLOO_SOCKET_IFNAME=ib0      the same for gloo (used for the CPU control group and on CPU nodes)
+#   GLOO_SOCKET_IFNAME=ib0      the same for gloo (all of a CPU job's collectives)
 #   NCCL_IB_DISABLE=1           only if InfiniBand is present but broken
 # Snapshots must go to storage every node can read (a shared file system or S3): after a node is lost, the
 # restarted job may have global rank 0 on another node.

@@ -1,7 +1,7 @@
 """Restarts that always come back: the documented command, `torchrun --standalone --nproc_per_node=2
 --max-restarts=10 main.py ...`, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE, has a worker SIGKILLed 10 times in a
-row. With --max-restarts=10, a single restart that fails to reconnect (the failure setup_distributed in main.py
-guards against) would use up a restart and end the job at the 10th kill."""
+row. With --max-restarts=10, a single restart that fails to reconnect (the failure setup_distributed in
+distributed.py guards against) would use up a restart and end the job at the 10th kill."""
 
 import os
 import signal
