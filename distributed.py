@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from errors import UsageError
+from stopping import exit_now
 from trainer import DistContext
 
 log = logging.getLogger(__name__)
@@ -383,11 +384,7 @@ def _finish_pending_work() -> None:
 def _leave_now(code: int) -> None:
     """End this process at once (a peer failed): finish what must not be left half done, then exit."""
     _finish_pending_work()
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)
 
 
 def leave_distributed() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import Callable, Optional
 
@@ -117,9 +118,7 @@ class StopDeadline:
                   "stop_timeout_s; a peer is gone or stuck): leaving without a new snapshot, the last one stays",
                   self.rank, self.timeout_s)  # fmt: skip
         self.before_exit()
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os._exit(128 + signal.SIGTERM)
+        exit_now(128 + signal.SIGTERM)
 
     def close(self) -> None:
         self._closed.set()
@@ -128,3 +127,12 @@ class StopDeadline:
         signal.set_wakeup_fd(self._previous_fd)
         os.close(self._writer)  # the reader sees end of file and returns
         self._writer = -1
+
+
+def exit_now(code: int) -> None:
+    """End the process at once, waiting for no thread and no peer; log handlers and streams are flushed first."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
