@@ -300,7 +300,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
     log.info("run directory: %s", run_dir)
     log.info("data: %s characters, vocabulary of %d", f"{corpus.data.numel():,}", len(corpus.vocab))
     trainer = build_trainer(cfg, corpus, ctx, run_dir)
-    on_abrupt_exit(lambda: trainer.wait_for_snapshot(raise_error=False))  # a snapshot being written is finished
+    on_abrupt_exit(trainer.finish_snapshot_quietly)  # a snapshot being written is finished first
     trainer.fit()
     if ctx.is_main and trainer.trained_steps and not trainer.stopped_early:
         report_results(trainer, corpus, run_dir)

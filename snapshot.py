@@ -404,27 +404,46 @@ class SnapshotStore:
         return None
 
 
-def read_with_retries(what: str, read: Callable[[], T]) -> T:
-    """`read()`, with the retry policy of a save: an error that another attempt may fix (a store briefly down,
-    a dropped connection) is tried again after 1, 2, 4 s (SAVE_ATTEMPTS, SAVE_FIRST_BACKOFF_S); one that it cannot
-    (`is_permanent`), or the last attempt's, is a UsageError: `what (N attempt(s) in T s, last error ...)`.
-    FileNotFoundError is left to the caller (nothing there is an answer, not a failure)."""
-    start = time.perf_counter()
+def with_retries(action: Callable[[], T], what: str, interrupted: Callable[[float], Optional[str]],
+                 passthrough: tuple[type[BaseException], ...] = ()) -> tuple[Optional[T], int, Optional[str]]:
+    """The retry policy of saves and reads: an error that another attempt may fix (a store briefly down, a dropped
+    connection) is tried again after 1, 2, 4 s (SAVE_ATTEMPTS, SAVE_FIRST_BACKOFF_S); one that it cannot
+    (`is_permanent`) is not. `interrupted(delay)` waits, and returns why to stop early (None: go on);
+    `passthrough` errors are raised as they are. Returns (result, attempts, None), or (None, attempts, the last
+    error in one line)."""
     attempt = 0
     while True:
         attempt += 1
         try:
-            return read()
-        except (FileNotFoundError, UsageError):
+            return action(), attempt, None
+        except passthrough:
             raise
         except Exception as e:
             failure, permanent = describe(e), is_permanent(e)
         if permanent or attempt >= SAVE_ATTEMPTS:
-            raise UsageError(f"{what} ({attempt} attempt(s) in {time.perf_counter() - start:.1f} s, "
-                             f"last error {failure})")  # fmt: skip
+            return None, attempt, failure
         delay = SAVE_FIRST_BACKOFF_S * 2 ** (attempt - 1)
         log.info("%s: attempt %d of %d failed (%s); retrying in %.0f s", what, attempt, SAVE_ATTEMPTS, failure, delay)
-        time.sleep(delay)
+        reason = interrupted(delay)
+        if reason is not None:
+            return None, attempt, f"{failure}; {reason}"
+
+
+def read_with_retries(what: str, read: Callable[[], T]) -> T:
+    """`read()` under `with_retries`; its final failure is a UsageError: `what (N attempt(s) in T s, last error
+    ...)`. FileNotFoundError is left to the caller (nothing there is an answer, not a failure)."""
+    start = time.perf_counter()
+    result, attempts, failure = with_retries(read, what, interrupted=_sleep,
+                                             passthrough=(FileNotFoundError, UsageError))  # fmt: skip
+    if failure is not None:
+        raise UsageError(f"{what} ({attempts} attempt(s) in {time.perf_counter() - start:.1f} s, "
+                         f"last error {failure})")  # fmt: skip
+    return result
+
+
+def _sleep(delay: float) -> Optional[str]:
+    time.sleep(delay)
+    return None
 
 
 def with_default_retries(location: str, options: dict) -> dict:
@@ -513,21 +532,13 @@ class BackgroundWriter:
 
     def _store_with_retries(self, name: str, data: bytes) -> tuple[int, Optional[str]]:
         """Write with exponential backoff. Returns (attempts made, None or the last error in one line)."""
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                self.store.write(name, data)
-                return attempt, None
-            except Exception as e:
-                failure, permanent = describe(e), is_permanent(e)
-            if permanent or attempt == SAVE_ATTEMPTS:
-                return attempt, failure
-            delay = SAVE_FIRST_BACKOFF_S * 2 ** (attempt - 1)
-            log.info("snapshot %s: attempt %d of %d failed (%s); retrying in %.0f s",
-                     self.store.url(name), attempt, SAVE_ATTEMPTS, failure, delay)  # fmt: skip
-            if self._superseded.wait(delay):
-                return attempt, f"{failure}; given up for a newer snapshot"
+        _, attempts, failure = with_retries(lambda: self.store.write(name, data), f"snapshot {self.store.url(name)}",
+                                            interrupted=self._given_up)  # fmt: skip
+        return attempts, failure
+
+    def _given_up(self, delay: float) -> Optional[str]:
+        """Wait before the next attempt, unless a newer snapshot replaces this one."""
+        return "given up for a newer snapshot" if self._superseded.wait(delay) else None
 
     def _prune(self) -> str:
         """Remove old snapshots once the new one is complete; a failure here loses nothing (tried again next save)."""

@@ -568,17 +568,18 @@ class Trainer:
             self._stop_signal = signum
 
         if threading.current_thread() is not threading.main_thread():
-            yield StopDeadline(None, self.ctx.rank, self._finish_snapshot_quietly)
+            yield StopDeadline(None, self.ctx.rank, self.finish_snapshot_quietly)
             return
         previous = signal.signal(signal.SIGTERM, request_stop)
-        deadline = StopDeadline(self.cfg.stop_timeout_s, self.ctx.rank, self._finish_snapshot_quietly)
+        deadline = StopDeadline(self.cfg.stop_timeout_s, self.ctx.rank, self.finish_snapshot_quietly)
         try:
             yield deadline
         finally:
             deadline.close()
             signal.signal(signal.SIGTERM, previous)
 
-    def _finish_snapshot_quietly(self) -> None:
+    def finish_snapshot_quietly(self) -> None:
+        """Wait for a snapshot being written, on a path that is ending anyway (its failure is not raised)."""
         self.wait_for_snapshot(raise_error=False)
 
     def _stop_agreed(self) -> bool:
