@@ -1,0 +1,146 @@
+"""slurm/sbatch_run.sh under a real SLURM (slurmctld, slurmd and munge on 127.0.0.1, tests/slurm_cluster.py), two CPU
+workers on the node: a job trains to the end; a job at its time limit snapshots, requeues itself and finishes in a
+later allocation; so does a preempted job; scancel leaves loadable snapshots and no process.
+The interrupted jobs end with the weights of the uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import snapshot
+from conftest import PROJECT_DIR, TINY, subprocess_env, wait_for
+
+# ~45 s of training on 2 cores: longer than a 1-minute job runs before its early signal (below)
+STEPS = 4000
+TRAINING = [*TINY, f"trainer_config.max_steps={STEPS}", "trainer_config.max_epochs=100",
+            "trainer_config.log_every_steps=500", "trainer_config.eval_every_steps=1000"]  # fmt: skip
+# A 1-minute time limit with SIGUSR1 50 s before it: SLURM checks time limits every 30 s, so the signal comes 10 to
+# 40 s after the start, and each allocation trains for a part of the run.
+TIME_LIMITED = ["--time=1", "--signal=B:USR1@50"]
+JOB_TIMEOUT_S = 600
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+class Job:
+    """One submission of slurm/sbatch_run.sh, with its own snapshots, run directory and output file."""
+
+    def __init__(self, cluster, folder: Path, *sbatch_args: str) -> None:
+        self.cluster, self.folder = cluster, folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.output = folder / "job.out"
+        self.run_dir, self.snapshots = folder / "run", folder / "snapshots"
+        env = subprocess_env(folder)
+        env.update({"PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "PYTHON": sys.executable,
+                    "NPROC_PER_NODE": "2", "SNAPSHOT_PATH": str(self.snapshots), "RUN_DIR": str(self.run_dir)})  # fmt: skip
+        self.id = cluster.sbatch(
+            "--gpus-per-node=0", f"--output={self.output}", *sbatch_args, "slurm/sbatch_run.sh", *TRAINING,
+            env=env, cwd=PROJECT_DIR,
+        )  # fmt: skip
+
+    def wait(self, *states: str) -> dict[str, str]:
+        return self.cluster.wait_for_job(self.id, set(states), JOB_TIMEOUT_S)
+
+    def log(self) -> str:
+        return self.output.read_text() if self.output.exists() else ""
+
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def wait_until_training(self) -> None:
+        wait_for(lambda: "training: steps" in self.log(), 120, 0.2, f"job {self.id} to train")
+
+
+def assert_finished_like(job: Job, reference: dict) -> None:
+    summary = job.summary()
+    assert summary["finished"] and summary["steps"] == STEPS, summary
+    assert summary["weights_sha256"] == reference["weights_sha256"], job.log()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm_cluster, tmp_path_factory) -> dict:
+    """The reference: the job with no time limit, trained to the end in one allocation."""
+    job = Job(slurm_cluster, tmp_path_factory.mktemp("uninterrupted"))
+    info = job.wait(*ENDED)
+    return {"job": job, "info": info, "summary": job.summary() if info["JobState"] == "COMPLETED" else None}
+
+
+def test_a_job_trains_to_the_end(uninterrupted):
+    job, info = uninterrupted["job"], uninterrupted["info"]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), job.log()
+    summary = uninterrupted["summary"]
+    assert summary["finished"] and summary["steps"] == STEPS and summary["replicas_identical"]
+    assert summary["world_size"] == 2
+    assert "requeue" not in job.log() and "Traceback" not in job.log()
+
+
+def test_a_job_at_its_time_limit_requeues_itself_and_finishes(slurm_cluster, uninterrupted, tmp_path):
+    job = Job(slurm_cluster, tmp_path, *TIME_LIMITED)
+    info = job.wait(*ENDED)
+    log = job.log()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log
+    requeues = int(info["Restarts"])
+    assert requeues >= 1, log
+    # every allocation but the last was stopped by the early signal and requeued the job; the workers saved a
+    # snapshot on the way out (in each allocation, unless the signal came before they had started training)
+    assert log.count("SIGUSR1, the time limit is near") == requeues, log
+    assert log.count("requeueing job") == requeues, log
+    assert 1 <= log.count("saved (stop requested") <= requeues, log
+    assert log.count("resumed from") == requeues, log
+    assert f"allocation={requeues + 1}" in log, log  # one output file for all allocations (--open-mode=append)
+    assert "Traceback" not in log and "TIMEOUT" not in log, log
+    assert_finished_like(job, uninterrupted["summary"])
+
+
+def test_a_preempted_job_requeues_itself_and_finishes(slurm_cluster, uninterrupted, tmp_path):
+    """A job of partition "urgent" preempts it: SLURM sends SIGTERM to its steps (PreemptMode=REQUEUE, GraceTime)."""
+    job = Job(slurm_cluster, tmp_path / "preempted")
+    job.wait_until_training()
+    wait_for(lambda: re.search(r"step 2500/", job.log()), 120, 0.2, "step 2500")
+    urgent = slurm_cluster.sbatch("--partition=urgent", "--exclusive", f"--output={tmp_path / 'urgent.out'}",
+                                  "--wrap=echo urgent job ran", env=dict(os.environ), cwd=tmp_path)  # fmt: skip
+    info = job.wait(*ENDED)
+    log = job.log()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log
+    assert int(info["Restarts"]) >= 1, log
+    assert slurm_cluster.job(urgent)["JobState"] == "COMPLETED"
+    assert "saved (stop requested" in log and "resumed from" in log, log
+    assert "Traceback" not in log, log
+    assert_finished_like(job, uninterrupted["summary"])
+
+
+def test_scancel_leaves_loadable_snapshots_and_no_process(slurm_cluster, tmp_path):
+    job = Job(slurm_cluster, tmp_path)
+    job.wait_until_training()
+    wait_for(lambda: re.search(r"step 500/", job.log()), 120, 0.2, "step 500")
+    slurm_cluster.run("scancel", str(job.id))
+    info = job.wait("CANCELLED")
+    wait_for(lambda: not processes_of(job), 60, 0.2, f"the processes of job {job.id} to end")
+    time.sleep(3)  # long enough for a requeue to show
+    info = slurm_cluster.job(job.id)
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), job.log()
+    assert "saved (stop requested" in job.log(), job.log()
+    store = snapshot.SnapshotStore(str(job.snapshots))
+    entries = store.entries()
+    assert entries and entries[0].step > 500, [e.name for e in entries]
+    for entry in entries:
+        loaded = snapshot.from_bytes(store.read(entry.name), entry.name)  # verified: integrity hash, format
+        assert loaded["progress"]["step"] == entry.step
+
+
+def processes_of(job: Job) -> list[int]:
+    """Processes whose command line names the job's snapshot folder: its agents and workers."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(job.snapshots).encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
