@@ -44,12 +44,13 @@ import torch
 import torch.distributed as dist
 
 import distributed
+import config
 import main
 from char_dataset import CharCorpus
 from errors import UsageError
 from model import GPT
 from snapshot import SnapshotStore
-from trainer import DistContext, Trainer
+from trainer import DistContext, Trainer, TrainerConfig
 
 log = logging.getLogger("bench")
 
@@ -273,7 +274,7 @@ def time_training(args, cfg, corpus: CharCorpus, ctx: DistContext, trainer: Trai
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
-    cfg = main.compose_config(overrides)
+    cfg = config.compose_config(overrides)
     corpus = CharCorpus.load(cfg.data_config)
     ctx: DistContext = distributed.setup_distributed()
     try:
@@ -286,7 +287,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
         snapshot = None
         if args.snapshots:
             location = cfg.trainer_config.snapshot_path
-            if location == main.TrainerConfig().snapshot_path or not location:
+            if location == TrainerConfig().snapshot_path or not location:
                 location = tempfile.mkdtemp(prefix="bench-snapshots-")
             snapshot = time_snapshots(trainer, args.snapshots, location)
         result = {**summarize(args, cfg, trainer, times, snapshot), **comparison} if ctx.is_main else None

@@ -28,10 +28,14 @@ PROJECT_DIR = Path(__file__).resolve().parent
 class DataConfig:
     """Where the text is and how it is cut into training windows."""
 
-    path: str = "data/input.txt"  # UTF-8 text file: a local path (relative = to the project) or an fsspec URL
-    block_size: int = 256  # characters of context per training window
-    train_split: float = 0.9  # fraction of the text (from the start) used for training; the rest validates
-    truncate: float = 1.0  # fraction of the text to use at all, from the start (1.0 = everything)
+    path: str = "data/input.txt"
+    """UTF-8 text: a local path (relative = to the project folder, not the cwd) or an fsspec URL"""
+    block_size: int = 256
+    """characters of context per training window"""
+    train_split: float = 0.9
+    """fraction of the text (from the start) used for training; the rest is validation"""
+    truncate: float = 1.0
+    """fraction of the text to use at all, from the start (1.0 = everything)"""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

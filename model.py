@@ -28,17 +28,28 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "matmul")
 class GPTConfig:
     """Shape of the network. `vocab_size` and `block_size` come from the data and are filled in by main.py."""
 
-    n_layer: int = 6  # number of transformer blocks
-    n_head: int = 6  # attention heads per block; must divide n_embd
-    n_embd: int = 384  # width of the residual stream
-    dropout: float = 0.2  # dropout probability on attention weights, residual branches and embeddings
-    bias: bool = False  # use biases in Linear and LayerNorm layers (GPT-2 did; without is slightly faster and as good)
-    # How attention is computed; the same function either way. "sdpa": torch's fused scaled_dot_product_attention
-    # (flash kernels on GPU and CPU, memory linear in the context). "matmul": the (T x T) score matrix written out
-    # as matmuls and a softmax, which torch.compile fuses; faster on a CPU for short contexts (see README).
+    n_layer: int = 6
+    """number of transformer blocks"""
+    n_head: int = 6
+    """attention heads per block; must divide n_embd"""
+    n_embd: int = 384
+    """width of the residual stream"""
+    dropout: float = 0.2
+    """dropout on attention weights, residual branches and embeddings"""
+    bias: bool = False
+    """biases in Linear and LayerNorm layers
+
+    GPT-2 had them; without is slightly faster and as good."""
     attention: str = "sdpa"
-    vocab_size: Optional[int] = None  # number of distinct characters; set from the data, leave null
-    block_size: Optional[int] = None  # longest context in characters; set from data_config.block_size, leave null
+    """sdpa (torch's fused kernels) or matmul (scores written out: faster compiled on a CPU, short T)
+
+    The same function either way. "sdpa": torch's fused scaled_dot_product_attention (flash kernels on GPU and
+    CPU, memory linear in the context). "matmul": the (T x T) score matrix written out as matmuls and a softmax,
+    which torch.compile fuses; faster on a CPU for short contexts (see README)."""
+    vocab_size: Optional[int] = None
+    """set from the data; leave null"""
+    block_size: Optional[int] = None
+    """set from data_config.block_size; leave null"""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd"):

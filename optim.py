@@ -20,14 +20,24 @@ from model import GPT
 class OptimizerConfig:
     """AdamW hyper-parameters and the learning-rate schedule."""
 
-    learning_rate: float = 1e-3  # peak learning rate, reached at the end of warmup
-    weight_decay: float = 0.1  # AdamW decoupled weight decay, applied to weight matrices and embeddings only
-    beta1: float = 0.9  # AdamW first-moment decay
-    beta2: float = 0.99  # AdamW second-moment decay (0.99 rather than 0.999: few tokens per step)
-    eps: float = 1e-8  # AdamW denominator epsilon
-    warmup_steps: int = 100  # optimizer steps of linear warmup from 0 to learning_rate
-    decay_steps: Optional[int] = None  # step at which cosine decay reaches min_lr; null = the run's last step
-    min_lr: float = 1e-4  # learning-rate floor after decay
+    learning_rate: float = 1e-3
+    """peak learning rate, reached at the end of warmup"""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices and embeddings (not biases or LayerNorm)"""
+    beta1: float = 0.9
+    """AdamW first-moment decay"""
+    beta2: float = 0.99
+    """AdamW second-moment decay
+
+    0.99 rather than 0.999: few tokens per step."""
+    eps: float = 1e-8
+    """AdamW epsilon"""
+    warmup_steps: int = 100
+    """optimizer steps of linear warmup"""
+    decay_steps: Optional[int] = None
+    """step where cosine decay reaches min_lr; null = the last step of the run"""
+    min_lr: float = 1e-4
+    """learning-rate floor after decay"""
 
     def __post_init__(self) -> None:
         if self.learning_rate <= 0:

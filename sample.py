@@ -21,6 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from char_dataset import CharVocab, resolve_path
+from config import precheck_config_overrides
 from errors import UsageError
 from model import GPT, GPTConfig
 from snapshot import NAME_PATTERN, CorruptSnapshot, SnapshotStore, read_file
@@ -30,16 +31,26 @@ from snapshot import NAME_PATTERN, CorruptSnapshot, SnapshotStore, read_file
 class SampleConfig:
     """What to generate, and from which snapshot."""
 
-    snapshot: str = MISSING  # snapshot file or folder (newest valid one): local path (relative = project) or URL
-    prompt: str = "\n"  # text the samples continue
-    prompt_file: Optional[str] = None  # read the prompt from this UTF-8 file instead (local path or URL)
-    max_new_tokens: int = 500  # characters generated per sample
-    temperature: float = 0.8  # < 1 more conservative, > 1 more adventurous
-    top_k: Optional[int] = 40  # sample only from the k likeliest characters; null = all
-    seed: int = 1  # the same seed gives the same text
-    num_samples: int = 1  # independent samples, printed one after another
-    device: str = "cpu"  # cpu, cuda, cuda:N, or auto (cuda when available)
-    storage_options: Any = None  # extra fsspec options for reading the snapshot (credentials: use the environment)
+    snapshot: str = MISSING
+    """snapshot file or folder (its newest valid snapshot): local path (relative = project) or URL"""
+    prompt: str = "\n"
+    """text the samples continue"""
+    prompt_file: Optional[str] = None
+    """read the prompt from this UTF-8 file instead (local path or URL)"""
+    max_new_tokens: int = 500
+    """characters generated per sample"""
+    temperature: float = 0.8
+    """< 1 more conservative, > 1 more adventurous"""
+    top_k: Optional[int] = 40
+    """sample only from the k likeliest characters; null = all"""
+    seed: int = 1
+    """the same seed gives the same text"""
+    num_samples: int = 1
+    """independent samples, printed one after another"""
+    device: str = "cpu"
+    """cpu, cuda, cuda:N, or auto (cuda when available)"""
+    storage_options: Any = None
+    """extra fsspec options for reading the snapshot (credentials: use the environment)"""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0 or self.num_samples <= 0:
@@ -151,8 +162,6 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    from main import precheck_config_overrides
-
     try:
         precheck_config_overrides("sample_cfg", sys.argv[1:])
     except UsageError as e:

@@ -51,30 +51,54 @@ EVAL_BATCH_FACTOR = 4
 class TrainerConfig:
     """How long and how to train; per-process batch size; evaluation, logging and snapshot cadence."""
 
-    max_epochs: int = 2  # passes over the training windows
-    max_steps: Optional[int] = None  # optional cap on optimizer steps (across epochs); null = no cap
-    batch_size: int = 64  # windows per micro-batch, per process
-    grad_accum_steps: int = 1  # micro-batches per optimizer step (gradients are all-reduced on the last only)
-    grad_norm_clip: float = 1.0  # clip the global gradient norm to this; 0 = no clipping
-    mixed_precision: str = "auto"  # auto | bf16 | fp16 | fp32; auto = bf16 on GPUs with bf16, fp16 on older, fp32 on CPU
-    compile: bool = False  # torch.compile the model (first step compiles, ~40 s on a CPU; then ~10% faster there)
-    # CPU processes on one host average gradients through /dev/shm instead of gloo's TCP (falls back to gloo when
-    # the ranks span hosts or /dev/shm lacks room); false = always gloo. No effect on GPUs (NCCL).
+    max_epochs: int = 2
+    """passes over the training windows"""
+    max_steps: Optional[int] = None
+    """optional cap on optimizer steps; null = no cap"""
+    batch_size: int = 64
+    """windows per micro-batch, per process"""
+    grad_accum_steps: int = 1
+    """micro-batches per optimizer step (gradients all-reduced on the last one only)"""
+    grad_norm_clip: float = 1.0
+    """clip the global gradient norm; 0 = off"""
+    mixed_precision: str = "auto"
+    """auto | bf16 | fp16 | fp32 (auto: bf16 on recent GPUs, fp16 on older ones, fp32 on CPU)"""
+    compile: bool = False
+    """torch.compile the model
+
+    The first step compiles (~40 s on a CPU); then ~10% faster there."""
     shared_memory_allreduce: bool = True
-    seed: int = 1337  # seeds the weights, the data order and the dropout masks
-    eval_every_steps: int = 500  # evaluate on the validation split every this many steps; 0 = at epoch ends only
-    eval_batches: Optional[int] = None  # cap on validation batches (4 x batch_size windows) per process; null = all
-    log_every_steps: int = 50  # print a line and append a metrics.jsonl row every this many steps
-    progress: str = "auto"  # auto (a bar on a terminal, lines otherwise) | bar | lines | off (no per-step output)
-    data_loader_workers: int = 0  # DataLoader worker processes (batches are one tensor gather, 0 is usually best)
-    snapshot_path: str = "snapshots/default"  # snapshot folder: local (relative = to the project) or fsspec URL
-    save_every: int = 1  # write a snapshot every this many epochs (and always at the end of training)
-    save_every_steps: Optional[int] = None  # also write one every this many optimizer steps; null = off
-    keep_last: int = 2  # snapshots kept; older ones are deleted once a newer one is complete
-    # After SIGTERM, a rank that cannot agree with its peers to stop within this many seconds (a peer is gone, or
-    # it is blocked in a collective) exits without a new snapshot; the last one stays. Below torchrun's 30 s.
+    """CPU ranks on one host average gradients through /dev/shm, not gloo's TCP
+
+    Falls back to gloo when the ranks span hosts or /dev/shm lacks room; false = always gloo. No effect on GPUs
+    (NCCL)."""
+    seed: int = 1337
+    """seeds weights, data order and dropout"""
+    eval_every_steps: int = 500
+    """validation loss every this many steps (and at every epoch end); 0 = epoch ends only"""
+    eval_batches: Optional[int] = None
+    """cap on validation batches (4 x batch_size windows) per process; null = the whole split"""
+    log_every_steps: int = 50
+    """log line and metrics.jsonl row every this many steps"""
+    progress: str = "auto"
+    """auto (bar on a terminal, lines otherwise) | bar | lines | off"""
+    data_loader_workers: int = 0
+    """DataLoader worker processes (a batch is one tensor gather; 0 is usually fastest)"""
+    snapshot_path: str = "snapshots/default"
+    """snapshot folder: local (relative = to the project) or fsspec URL (s3://...)"""
+    save_every: int = 1
+    """snapshot every this many epochs (and always at the end of training)"""
+    save_every_steps: Optional[int] = None
+    """also snapshot every this many optimizer steps; null = off"""
+    keep_last: int = 2
+    """snapshots kept; older ones are deleted once a newer one is complete"""
     stop_timeout_s: float = 15.0
-    snapshot_storage_options: Any = None  # extra fsspec options for the snapshot location
+    """after SIGTERM, a rank that cannot agree with its peers to stop within this exits
+
+    Seconds. Such a rank has lost a peer or is blocked in a collective; it exits without a new snapshot and the
+    last one stays. Below torchrun's 30 s."""
+    snapshot_storage_options: Any = None
+    """extra fsspec options, e.g. {client_kwargs:{endpoint_url:...}}; secrets: use the env"""
 
     def __post_init__(self) -> None:
         positive = ("max_epochs", "batch_size", "grad_accum_steps", "log_every_steps", "save_every", "keep_last",

@@ -63,11 +63,11 @@ def test_bench_comparisons_refuse_the_wrong_launch(tmp_path):
 def test_nanogpt_baseline_keeps_nanogpts_attention():
     """The reference loop is nanoGPT's: torch's sdpa attention even when ours is told to use matmul attention."""
     import bench
-    import main
+    import config
     from char_dataset import CharCorpus
     from model import CausalSelfAttention
 
-    cfg = main.compose_config(["preset=nanogpt_cpu", "gpt_config.attention=matmul", "data_config.truncate=0.05"])
+    cfg = config.compose_config(["preset=nanogpt_cpu", "gpt_config.attention=matmul", "data_config.truncate=0.05"])
     loop = bench.NanoGPTLoop(cfg, CharCorpus.load(cfg.data_config))
     attentions = {m.attention for m in loop.model.modules() if isinstance(m, CausalSelfAttention)}
     assert attentions == {"sdpa"}

@@ -1,4 +1,4 @@
-"""The YAML + schema, composed with Hydra's compose API exactly as main.py composes it."""
+"""The YAML + schema (config.py), composed with Hydra's compose API exactly as main.py composes it."""
 
 import dataclasses
 
@@ -6,30 +6,48 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-import main
+import config
 from errors import UsageError
+from sample import SampleConfig
 
 
 def compose_cfg(overrides: list[str] | None = None):
-    with initialize_config_dir(config_dir=str(main.PROJECT_DIR), version_base="1.3"):
-        return compose(config_name=main.CONFIG_NAME, overrides=overrides or [])
+    config.register()
+    with initialize_config_dir(config_dir=str(config.PROJECT_DIR), version_base="1.3"):
+        return compose(config_name=config.CONFIG_NAME, overrides=overrides or [])
 
 
 def test_defaults_compose_to_valid_dataclasses():
-    cfg = main.to_dataclasses(compose_cfg())
+    cfg = config.to_dataclasses(compose_cfg())
     assert cfg.data_config.path == "data/input.txt"
     assert cfg.trainer_config.max_steps is None
     assert cfg.trainer_config.mixed_precision == "auto"
     assert cfg.gpt_config.vocab_size is None
 
 
-def test_every_schema_field_is_in_the_yaml_with_a_description():
-    yaml_text = (main.PROJECT_DIR / "gpt2_train_cfg.yaml").read_text()
-    lines = {line.strip().split(":")[0]: line for line in yaml_text.splitlines() if ":" in line}
-    for section in dataclasses.fields(main.TrainConfig):
-        for field in dataclasses.fields(type(getattr(main.TrainConfig(), section.name))):
-            assert field.name in lines, f"{section.name}.{field.name} missing from the YAML"
-            assert "#" in lines[field.name], f"{section.name}.{field.name} has no description in the YAML"
+@pytest.mark.parametrize(
+    "yaml_name, schemas",
+    [("gpt2_train_cfg.yaml", config.section_schemas()), ("sample_cfg.yaml", {"": SampleConfig})],
+)
+def test_yaml_comments_are_the_dataclass_help(yaml_name, schemas):
+    """One source: each field's help is the docstring under it; the YAML's comment for the key must say the same."""
+    in_yaml = config.yaml_fields(config.PROJECT_DIR / yaml_name)
+    assert set(in_yaml) == set(schemas)
+    for section, schema in schemas.items():
+        helps = config.field_help(schema)
+        names = [f.name for f in dataclasses.fields(schema)]
+        assert list(helps) == names, f"{schema.__name__}: fields without a docstring: {set(names) - set(helps)}"
+        assert list(in_yaml[section]) == names, f"{yaml_name}: {section} keys differ from {schema.__name__}'s"
+        for key, help in helps.items():
+            comment = in_yaml[section][key][1]
+            assert comment == help, f"{yaml_name}: {section}.{key} says {comment!r}, {schema.__name__} says {help!r}"
+
+
+def test_help_lists_every_field_with_its_help():
+    text = config.help_text()
+    for section, schema in config.section_schemas().items():
+        for key, help in config.field_help(schema).items():
+            assert any(line.split()[0] == key and line.endswith(help) for line in text.splitlines() if line.strip())
 
 
 def test_required_keys_exist():
@@ -50,17 +68,17 @@ def test_required_keys_exist():
 
 
 def test_overrides_apply_with_types():
-    cfg = main.to_dataclasses(compose_cfg(["trainer_config.max_epochs=20", "gpt_config.n_layer=4",
+    cfg = config.to_dataclasses(compose_cfg(["trainer_config.max_epochs=20", "gpt_config.n_layer=4",
                                            "trainer_config.max_steps=100", "optimizer_config.learning_rate=5e-4"]))
     assert cfg.trainer_config.max_epochs == 20 and cfg.gpt_config.n_layer == 4
     assert cfg.trainer_config.max_steps == 100 and cfg.optimizer_config.learning_rate == 5e-4
 
 
 def test_cpu_preset():
-    cfg = main.to_dataclasses(compose_cfg(["preset=cpu"]))
+    cfg = config.to_dataclasses(compose_cfg(["preset=cpu"]))
     assert cfg.gpt_config.n_embd == 128 and cfg.trainer_config.mixed_precision == "fp32"
     # command-line overrides still win over the preset
-    cfg = main.to_dataclasses(compose_cfg(["preset=cpu", "trainer_config.max_steps=7"]))
+    cfg = config.to_dataclasses(compose_cfg(["preset=cpu", "trainer_config.max_steps=7"]))
     assert cfg.trainer_config.max_steps == 7
 
 
@@ -94,23 +112,23 @@ def test_wrong_type_fails():
 )
 def test_precheck_gives_one_line(overrides, message):
     with pytest.raises(UsageError) as info:
-        main.precheck_overrides(overrides)
+        config.precheck_overrides(overrides)
     text = str(info.value)
     assert message in text
     assert "\n" not in text
 
 
 def test_precheck_checks_around_hydra_flags():
-    main.precheck_overrides(["--cfg", "job", "trainer_config.max_steps=3"])  # Hydra prints it; the config is fine
-    main.precheck_overrides(["--cfg=hydra", "trainer_config.max_steps=3"])
-    main.precheck_overrides(["-m", "trainer_config.max_steps=3,4"])
-    main.precheck_overrides(["--config-name", "other", "nonsense=1"])  # another config: Hydra's to check
+    config.precheck_overrides(["--cfg", "job", "trainer_config.max_steps=3"])  # Hydra prints it; the config is fine
+    config.precheck_overrides(["--cfg=hydra", "trainer_config.max_steps=3"])
+    config.precheck_overrides(["-m", "trainer_config.max_steps=3,4"])
+    config.precheck_overrides(["--config-name", "other", "nonsense=1"])  # another config: Hydra's to check
     with pytest.raises(UsageError, match="Key 'max_step' not in"):
-        main.precheck_overrides(["-m", "trainer_config.max_steps=1,2", "trainer_config.max_step=3"])
+        config.precheck_overrides(["-m", "trainer_config.max_steps=1,2", "trainer_config.max_step=3"])
     with pytest.raises(UsageError, match="learning_rate=x .*could not be converted to Float"):
-        main.precheck_overrides(["-m", "optimizer_config.learning_rate=1e-3,x", "trainer_config.max_steps=1,2"])
+        config.precheck_overrides(["-m", "optimizer_config.learning_rate=1e-3,x", "trainer_config.max_steps=1,2"])
 
 
 def test_sweep_jobs_cover_every_value_without_the_whole_product():
-    jobs = main.sweep_jobs(["a=1,2,3", "b=x", "c=range(0,2)"])
+    jobs = config.sweep_jobs(["a=1,2,3", "b=x", "c=range(0,2)"])
     assert jobs == [["a=1", "b=x", "c=0"], ["a=2", "b=x", "c=0"], ["a=3", "b=x", "c=0"], ["a=1", "b=x", "c=1"]]
