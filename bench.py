@@ -46,6 +46,7 @@ import torch.distributed as dist
 import distributed
 import config
 import main
+import reporting
 from char_dataset import CharCorpus
 from errors import UsageError
 from model import GPT
@@ -278,9 +279,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
     corpus = CharCorpus.load(cfg.data_config)
     ctx: DistContext = distributed.setup_distributed()
     try:
-        main.setup_logging(ctx.rank, None)
+        reporting.setup_logging(ctx.rank, None)
         logging.getLogger().setLevel(logging.WARNING)  # the benchmark prints its own result
-        main.configure_device(ctx.device)
+        distributed.configure_device(ctx.device)
         trainer = main.build_trainer(cfg, corpus, ctx, run_dir=None, with_snapshots=False)
         trainer.total_steps = args.warmup + args.steps + args.snapshots + 1
         times, comparison = time_training(args, cfg, corpus, ctx, trainer)

@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from reporting import read_metrics
+
 PROJECT_DIR = Path(__file__).resolve().parent
 MOMENTS = ("startup", "step", "eval", "save")
 RESTARTS = ("torchrun", "rerun")
@@ -74,22 +76,6 @@ FRESH = "no snapshot in"
 
 
 # ------------------------------------------------------------------------------------------------ observation
-def _complete_rows(path: Path) -> list[dict]:
-    """The complete JSON lines of metrics.jsonl (a line being written is ignored)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    lines = text.split("\n")[:-1]  # the last piece has no newline yet (or is empty)
-    rows = []
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows
-
-
 def _temporary_files(snaps: Path) -> set[str]:
     try:
         return {n for n in os.listdir(snaps) if ".tmp-" in n}
@@ -242,7 +228,7 @@ class Attempt:
 
     def __init__(self, job: Job, workers: list[int]) -> None:
         self.job, self.workers = job, workers
-        self.row_offset = len(_complete_rows(job.metrics))
+        self.row_offset = len(read_metrics(job.metrics))
         self.log_offset = len(job.log_text())
         self.old_tmp = _temporary_files(job.snaps)  # left by an earlier killed save: not this attempt's
 
@@ -250,7 +236,7 @@ class Attempt:
         return _temporary_files(self.job.snaps) - self.old_tmp
 
     def rows(self) -> list[dict]:
-        return _complete_rows(self.job.metrics)[self.row_offset :]
+        return read_metrics(self.job.metrics)[self.row_offset :]
 
     def train_rows(self) -> list[dict]:
         return [r for r in self.rows() if "train_loss" in r]
@@ -400,7 +386,7 @@ def compare(run_dir: Path, reference: dict) -> tuple[bool, str]:
         return False, "no summary.json"
     if summary.get("weights_sha256") != reference["sha256"]:
         return False, f"weights sha256 {summary.get('weights_sha256', '')[:16]} != {reference['sha256'][:16]}"
-    rows = _complete_rows(run_dir / "metrics.jsonl")
+    rows = read_metrics(run_dir / "metrics.jsonl")
     for key in ("train_loss", "val_loss"):
         ref = reference[key]
         got = {r["step"] for r in rows if key in r}
@@ -423,7 +409,7 @@ def run_reference(folder: Path, nproc: int, steps: int, timeout: float, code: Pa
     exit_code = job.process.wait(timeout=timeout)
     if exit_code != 0 or not first_step:
         raise RuntimeError(f"the reference run failed (exit code {exit_code}):\n{job.launch_logs()[-3000:]}")
-    rows = _complete_rows(job.metrics)
+    rows = read_metrics(job.metrics)
     summary = json.loads((job.run_dir / "summary.json").read_text())
     return {
         "sha256": summary["weights_sha256"],

@@ -35,65 +35,19 @@ import config
 from char_dataset import CharCorpus, resolve_path
 from config import CONFIG_NAME, TrainConfig, redacted, scrub_hydra_output, sweep_job_name, to_dataclasses
 from distributed import (
-    abandon_distributed, check_launch_environment, global_rank, leave_distributed, on_abrupt_exit, report_failure,
-    setup_distributed,
+    abandon_distributed, check_launch_environment, configure_device, global_rank, leave_distributed, on_abrupt_exit,
+    report_failure, setup_distributed,
 )  # fmt: skip
 from errors import UsageError, describe
 from model import GPT
 from optim import OptimizerConfig, build_optimizer, learning_rate
 from plot import write_loss_plot
+from reporting import setup_logging
 from sample import generate_text
 from snapshot import SnapshotStore
 from trainer import DistContext, Trainer
 
 log = logging.getLogger("mingpt")
-
-
-# ------------------------------------------------------------------------------------------------------- logging
-class _ConsoleHandler(logging.Handler):
-    """Writes to stdout through tqdm, so that messages appear above a progress bar instead of breaking it."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            from tqdm import tqdm
-
-            tqdm.write(self.format(record), file=sys.stdout)
-        except Exception:
-            self.handleError(record)
-
-
-def setup_logging(rank: int, run_dir: Optional[Path]) -> None:
-    """Rank 0 logs INFO to stdout and to train.log in the run directory; other ranks only warnings, prefixed."""
-    root = logging.getLogger()
-    root.handlers.clear()
-    if rank == 0:
-        fmt = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")
-        console = _ConsoleHandler()
-        console.addFilter(lambda record: getattr(record, "console", True))  # per-step lines hidden under a bar
-        handlers: list[logging.Handler] = [console]
-        if run_dir is not None:
-            handlers.append(logging.FileHandler(run_dir / "train.log", encoding="utf-8"))
-        level = logging.INFO
-    else:
-        fmt = logging.Formatter(f"[rank {rank}] %(levelname)s %(message)s")
-        handlers = [logging.StreamHandler(sys.stderr)]
-        level = logging.WARNING
-    for handler in handlers:
-        handler.setFormatter(fmt)
-        root.addHandler(handler)
-    root.setLevel(level)
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache notices are not ours
-    logging.getLogger("botocore").setLevel(logging.WARNING)  # "Found endpoint for s3 via: ..." and the like
-    # When S3 drops a connection mid-upload, aiohttp (under s3fs) leaves asyncio "Future exception was never
-    # retrieved" reports, each a traceback; the failed save itself is reported in one line by the snapshot writer.
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-
-
-def configure_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        # TF32 tensor cores for fp32 matmuls: ~8x the throughput, ample precision for training.
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
 
 
 # ------------------------------------------------------------------------------------------------------- the job

@@ -9,23 +9,18 @@ main.py writes `loss.png` into the run directory at the end of training. Needs m
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Optional
 
+from reporting import metrics_path, read_metrics
+
 
 def read_losses(metrics: Path) -> tuple[dict[int, float], dict[int, float]]:
     """{step: train_loss} and {step: val_loss}; a step logged twice (a resumed run) keeps its last value."""
-    train, val = {}, {}
-    for line in metrics.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        if "train_loss" in row:
-            train[row["step"]] = row["train_loss"]
-        if "val_loss" in row:
-            val[row["step"]] = row["val_loss"]
+    rows = read_metrics(metrics)
+    train = {row["step"]: row["train_loss"] for row in rows if "train_loss" in row}
+    val = {row["step"]: row["val_loss"] for row in rows if "val_loss" in row}
     return train, val
 
 
@@ -36,7 +31,7 @@ def write_loss_plot(source: Path, output: Optional[Path] = None) -> Path:
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    metrics = source / "metrics.jsonl" if source.is_dir() else source
+    metrics = metrics_path(source)
     output = output or metrics.parent / "loss.png"
     train, val = read_losses(metrics)
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
@@ -60,7 +55,7 @@ def cli(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("source", type=Path, help="run directory or metrics.jsonl")
     parser.add_argument("-o", "--output", type=Path, default=None, help="PNG path (default: loss.png beside it)")
     args = parser.parse_args(argv)
-    metrics = args.source / "metrics.jsonl" if args.source.is_dir() else args.source
+    metrics = metrics_path(args.source)
     if not metrics.is_file():
         print(f"error: no metrics file at {metrics}", file=sys.stderr)
         return 2

@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -35,15 +34,14 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 import snapshot as snapshot_lib
 from char_dataset import check_location
 from errors import UsageError
+from reporting import PROGRESS_MODES, MetricsLog, Progress
 from shm_allreduce import FLOAT_BYTES, SharedMemoryAllReduce, shared_memory_allreduce_hook
 from snapshot import SnapshotStore
 from stopping import StopDeadline, StopVote
 
 log = logging.getLogger(__name__)
-step_log = logging.getLogger(f"{__name__}.steps")  # per-step lines: a console filter drops them when a bar shows
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-PROGRESS_MODES = ("auto", "bar", "lines", "off")
 EVAL_BATCH_FACTOR = 4
 
 
@@ -211,76 +209,6 @@ class WindowBatches(Dataset):
 
     def __getitems__(self, indices: list[int]) -> torch.Tensor:
         return self.dataset.windows(indices)
-
-
-class MetricsLog:
-    """Rank 0's metrics: JSON rows appended to `metrics.jsonl`, and TensorBoard scalars when TensorBoard is
-    installed. A no-op on other ranks."""
-
-    TENSORBOARD_TAGS = {
-        "train_loss": "loss/train", "val_loss": "loss/val", "lr": "lr", "tokens_per_s": "throughput/tokens_per_s",
-        "ms_per_step": "throughput/ms_per_step", "grad_norm": "grad_norm", "loss_scale": "loss_scale",
-    }  # fmt: skip
-
-    def __init__(self, run_dir: Optional[Path], enabled: bool) -> None:
-        self.path = run_dir / "metrics.jsonl" if (run_dir is not None and enabled) else None
-        self._tensorboard = None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # TensorBoard is optional
-                return
-            self._tensorboard = SummaryWriter(log_dir=str(run_dir))
-
-    def write(self, row: dict) -> None:
-        if self.path is None:
-            return
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-        if self._tensorboard is not None:
-            for key, tag in self.TENSORBOARD_TAGS.items():
-                if key in row:
-                    self._tensorboard.add_scalar(tag, row[key], global_step=row["step"])
-
-    def close(self) -> None:
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
-
-
-class Progress:
-    """Rank 0's per-step output: a tqdm bar (steps, loss, tokens/s, lr, time left) on a terminal, or one log line
-    every log_every_steps where output goes to a file (CI, SLURM logs). Other ranks show nothing."""
-
-    def __init__(self, mode: str, enabled: bool, total: int, initial: int) -> None:
-        if mode == "auto":
-            mode = "bar" if sys.stdout.isatty() else "lines"
-        self.mode = mode if enabled else "off"
-        self.bar = None
-        if self.mode == "bar":
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stdout,
-                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
-
-    def advance(self) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def report(self, line: str, loss: float, tokens_per_s: float, lr: float) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {loss:.4f}, {tokens_per_s:,.0f} tok/s, lr {lr:.2e}", refresh=True)
-            step_log.info(line, extra={"console": False})  # in train.log; the bar shows it on the terminal
-        elif self.mode == "lines":
-            step_log.info(line)
-        else:
-            step_log.info(line, extra={"console": False})
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
 
 
 class Trainer:

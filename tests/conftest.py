@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -11,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from reporting import read_metrics
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -66,8 +67,6 @@ def run_cli(
     )
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture
@@ -112,11 +111,7 @@ def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "con
 
 def logged_step(run_dir: Path) -> int:
     """Highest training step in metrics.jsonl so far (0 if none)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if "train_loss" in line]
-    return max(steps, default=0)
+    return max((row["step"] for row in read_metrics(run_dir) if "train_loss" in row), default=0)
 
 
 def free_port() -> int:

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, read_metrics, run_cli
+from conftest import TINY, run_cli
+from reporting import read_metrics
 
 
 def assert_trained(run_dir: Path, world_size: int) -> list[dict]:

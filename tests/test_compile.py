@@ -5,7 +5,8 @@ one compile this suite can afford also checks that both attention implementation
 snapshot moves between them (attention is how the model computes, not its shape).
 """
 
-from conftest import TINY, read_metrics, run_cli
+from conftest import TINY, run_cli
+from reporting import read_metrics
 
 
 def compile_args(tmp_path, name: str, max_steps: int, *extra: str) -> list[str]:

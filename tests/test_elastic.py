@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import snapshot as snapshot_format
 from conftest import PROJECT_DIR, PYTHON, TINY, TORCHRUN, child_pids, free_port, logged_step, subprocess_env, wait_for
+from reporting import read_metrics
 
 BATCH = 8  # trainer_config.batch_size of TINY: global samples per step = BATCH x nodes
 MAX_STEPS = 40
@@ -94,16 +95,13 @@ def test_a_node_leaves_and_rejoins_with_the_exact_sample_position(tmp_path):
     assert last["progress"]["epoch_samples"] == n2 + 2 * BATCH * (MAX_STEPS - s2)  # steps s2+1..MAX_STEPS, 2 nodes
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == MAX_STEPS and summary["world_size"] == 2 and summary["replicas_identical"]
-    steps = {json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()}
+    steps = {row["step"] for row in read_metrics(run_dir)}
     assert set(range(1, MAX_STEPS + 1)) <= steps
 
 
 def rows_since_resume(run_dir) -> list[int]:
     """The steps of the training rows in metrics.jsonl since the last resume (where the step went back)."""
-    path = run_dir / "metrics.jsonl"
-    rows = path.read_text().splitlines() if path.exists() else []
-    steps = [json.loads(row)["step"] for row in rows[:-1] + [r for r in rows[-1:] if r.endswith("}")]
-             if '"train_loss"' in row]  # fmt: skip
+    steps = [row["step"] for row in read_metrics(run_dir) if "train_loss" in row]
     back = [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
     return steps[back[-1] :] if back else []
 

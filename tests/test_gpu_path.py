@@ -9,7 +9,8 @@ import torch
 
 import bench
 from char_dataset import CharCorpus, DataConfig
-from conftest import TINY, read_metrics, run_cli
+from conftest import TINY, run_cli
+from reporting import read_metrics
 from errors import UsageError
 from model import GPT, GPTConfig
 from optim import OptimizerConfig, build_optimizer, learning_rate

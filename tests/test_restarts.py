@@ -7,7 +7,8 @@ import os
 import signal
 import subprocess
 
-from conftest import PROJECT_DIR, TINY, TORCHRUN, child_pids, read_metrics, subprocess_env, wait_for
+from conftest import PROJECT_DIR, TINY, TORCHRUN, child_pids, subprocess_env, wait_for
+from reporting import read_metrics
 
 KILLS = 10
 
@@ -24,7 +25,7 @@ def test_ten_sigkilled_workers_in_a_row_all_come_back(tmp_path):
     log_path = tmp_path / "launch.log"
     with log_path.open("w") as log:
         job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-    rows = lambda: len(read_metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0  # noqa: E731
+    rows = lambda: len(read_metrics(run_dir))  # noqa: E731
     try:
         came_back, previous = 0, []
         for attempt in range(KILLS + 1):

@@ -7,7 +7,8 @@ import signal
 from pathlib import Path
 
 import snapshot as snap
-from conftest import TINY, child_pids, logged_step, read_metrics, run_cli, start_cli, wait_for
+from conftest import TINY, child_pids, logged_step, run_cli, start_cli, wait_for
+from reporting import read_metrics
 
 
 def resume_args(snaps: Path, run_dir: Path, max_steps: int = 150, every: int = 10) -> list[str]:

@@ -4,7 +4,8 @@ import json
 import os
 import subprocess
 
-from conftest import PROJECT_DIR, TINY, TORCHRUN, read_metrics, run_cli, subprocess_env
+from conftest import PROJECT_DIR, TINY, TORCHRUN, run_cli, subprocess_env
+from reporting import read_metrics
 
 
 def test_three_processes_average_exactly_or_fall_back_together_and_leave_no_files(tmp_path):

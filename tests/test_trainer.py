@@ -10,6 +10,7 @@ from errors import UsageError
 from model import GPT, GPTConfig
 from optim import OptimizerConfig, build_optimizer, learning_rate
 from trainer import DistContext, ResumableDistributedSampler, Trainer, TrainerConfig, resolve_precision
+from reporting import read_metrics
 
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(400))
 
@@ -29,7 +30,7 @@ def make_trainer(tmp_path=None, dropout=0.0, **trainer_kwargs) -> Trainer:
 def test_fit_writes_metrics_and_loss_falls(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=30, batch_size=16, eval_every_steps=10)
     trainer.fit()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     train_rows = [r for r in rows if "train_loss" in r]
     val_rows = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in train_rows] == [5, 10, 15, 20, 25, 30]
@@ -83,7 +84,7 @@ def test_fp16_on_cpu_uses_a_grad_scaler(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=5, batch_size=8, mixed_precision="fp16", eval_every_steps=0)
     assert trainer.scaler.is_enabled()
     trainer.fit()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert "loss_scale" in rows[0]
 
 

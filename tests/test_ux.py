@@ -1,7 +1,6 @@
 """What users see: progress output, TensorBoard events, the loss plot, sample.py, --help, --cfg job, sweeps."""
 
 import fcntl
-import json
 import os
 import pty
 import select
@@ -13,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import plot
-from conftest import PROJECT_DIR, PYTHON, TINY, read_metrics, run_cli, subprocess_env
+from conftest import PROJECT_DIR, PYTHON, TINY, run_cli, subprocess_env
+from reporting import read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_multirun_sweep_gives_each_job_its_own_run_dir_and_snapshots(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir())
     assert [j.name for j in jobs] == ["0", "1"], result.stdout[-3000:] + result.stderr[-3000:]
-    lrs = [json.loads((j / "metrics.jsonl").read_text().splitlines()[0])["lr"] for j in jobs]
+    lrs = [read_metrics(j)[0]["lr"] for j in jobs]
     assert lrs[0] != lrs[1]
     assert sorted(p.name for p in snaps.iterdir()) == [
         "optimizer_config.learning_rate=0.001", "optimizer_config.learning_rate=0.003"]
