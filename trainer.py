@@ -283,10 +283,8 @@ class Trainer:
         return compiled, ddp, ddp
 
     def _shared_memory_reducer(self, model: nn.Module) -> Optional[SharedMemoryAllReduce]:
-        """Collective. The /dev/shm gradient all-reduce where it applies: CPU ranks that all share one host.
-
-        On the nanoGPT CPU recipe (2 processes x 1 thread, 3.2 MB of gradients) gloo's all-reduce takes 4.4-5.1 ms,
-        this one 2.0-2.3 ms; steps took 5-9% less time (paired in one job, 3 runs; README, Benchmarks)."""
+        """Collective. The /dev/shm gradient all-reduce where it applies: CPU ranks that all share one host
+        (about half the time of gloo's TCP all-reduce on one host: README, Benchmarks)."""
         if self.ctx.device.type != "cpu":
             return None
         params = [p for p in model.parameters() if p.requires_grad]
@@ -305,9 +303,7 @@ class Trainer:
 
     def _compile(self, model: nn.Module) -> nn.Module:
         if self.ctx.device.type == "cpu":
-            # A C++ wrapper calls the generated kernels instead of Python: on the 0.8M-parameter nanoGPT CPU model
-            # (~55 ms steps) it took the speedup over nanoGPT's loop from 1.11x to 1.14x (bench.py --baseline
-            # nanogpt, medians of 3 and 7 runs), for ~6 s more compiling. On GPUs, launch overhead is CUDA graphs' job.
+            # C++, not Python, calls the generated kernels: a few % of a small CPU step (README, Benchmarks).
             return torch.compile(model, options={"cpp_wrapper": True})
         return torch.compile(model)
 
