@@ -39,7 +39,7 @@ FAILURE_POLL_S = 1.0  # how often each rank looks for a peer's failure in the jo
 PG_TIMEOUT = datetime.timedelta(minutes=10)
 # The ranks of one attempt are started together by their agents; what can part them is the import of torch and the
 # reading of the data, minutes on a slow shared file system or with a big corpus. Past this, a rank that waits
-# for the others stops with one line (elastic membership under torch 2.13's shared store: _this_attempts_namespace).
+# for the others stops with one line (elastic membership under torch 2.13's shared store: _fresh_store_namespace).
 MEET_TIMEOUT_VARIABLE = "MINGPT_MEET_TIMEOUT_S"
 MEET_TIMEOUT_DEFAULT_S = 300.0
 SHARED_STORE_FIX = ("set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment of every torchrun agent "
@@ -66,7 +66,7 @@ def check_launch_environment() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- joining
-def _this_attempts_namespace(rank: int, world_size: int, timeout: datetime.timedelta) -> Optional[str]:
+def _fresh_store_namespace(rank: int, world_size: int, timeout: datetime.timedelta) -> Optional[str]:
     """A namespace of torchrun's store that no earlier attempt (restart) of this job has used; None if not needed.
 
     torchrun's c10d rendezvous (the default of --standalone and of the multi-node form) hands the workers the
@@ -97,34 +97,46 @@ def _this_attempts_namespace(rank: int, world_size: int, timeout: datetime.timed
         return None  # a store created for this attempt (see _this_attempts_store), or nothing to share
     _refuse_a_stale_agent_store()
     deadline = time.monotonic() + timeout.total_seconds()
-    mine, token = uuid.uuid4().hex, ""
+    mine = uuid.uuid4().hex
     try:
         store = _store_client_by(deadline, timeout)
         if rank == 0:
-            store.set("mingpt/attempt", mine)
-            answers = [f"mingpt/{mine}/answer/{r}" for r in range(1, world_size)]
-            if not _poll(lambda: store.check(answers), deadline):  # every other rank has answered this token
-                missing = [r for r, key in enumerate(answers, 1) if not store.check([key])]
-                raise _not_met(f"rank 0 heard nothing from {_ranks(missing)} of {world_size}", timeout, shared=True)
-            store.multi_set([f"mingpt/{mine}/ok/{t.decode()}" for t in store.multi_get(answers)], ["1"] * len(answers))
-            token = mine
+            token = _publish_token(store, mine, world_size, deadline, timeout)
         else:
-
-            def confirmed() -> bool:
-                nonlocal token
-                if not store.check(["mingpt/attempt"]):
-                    return False  # rank 0 has not arrived (in this store)
-                current = store.get("mingpt/attempt").decode()
-                if current != token:  # (again) answer under the newest token: an earlier attempt's is never confirmed
-                    token = current
-                    store.set(f"mingpt/{token}/answer/{rank}", mine)
-                return store.check([f"mingpt/{token}/ok/{mine}"])
-
-            if not _poll(confirmed, deadline):
-                raise _not_met(f"rank {rank} was not confirmed by rank 0", timeout, shared=True)
+            token = _accept_token(store, mine, rank, deadline, timeout)
     except dist.DistError as error:  # the store's host went away (its agent ended)
         raise _not_met(f"rank {rank}: {str(error).splitlines()[0]}", timeout, shared=True) from None
     return f"mingpt/{token}"
+
+
+def _publish_token(store: dist.Store, mine: str, world_size: int, deadline: float, timeout: datetime.timedelta) -> str:
+    """Rank 0: publish this attempt's token, wait for every other rank's answer under it, confirm each answer."""
+    store.set("mingpt/attempt", mine)
+    answers = [f"mingpt/{mine}/answer/{r}" for r in range(1, world_size)]
+    if not _poll(lambda: store.check(answers), deadline):  # every other rank has answered this token
+        missing = [r for r, key in enumerate(answers, 1) if not store.check([key])]
+        raise _not_met(f"rank 0 heard nothing from {_ranks(missing)} of {world_size}", timeout, shared=True)
+    store.multi_set([f"mingpt/{mine}/ok/{t.decode()}" for t in store.multi_get(answers)], ["1"] * len(answers))
+    return mine
+
+
+def _accept_token(store: dist.Store, mine: str, rank: int, deadline: float, timeout: datetime.timedelta) -> str:
+    """Any other rank: answer the newest token until rank 0 confirms the answer; returns the confirmed token."""
+    token = ""
+
+    def confirmed() -> bool:
+        nonlocal token
+        if not store.check(["mingpt/attempt"]):
+            return False  # rank 0 has not arrived (in this store)
+        current = store.get("mingpt/attempt").decode()
+        if current != token:  # (again) answer under the newest token: an earlier attempt's is never confirmed
+            token = current
+            store.set(f"mingpt/{token}/answer/{rank}", mine)
+        return store.check([f"mingpt/{token}/ok/{mine}"])
+
+    if not _poll(confirmed, deadline):
+        raise _not_met(f"rank {rank} was not confirmed by rank 0", timeout, shared=True)
+    return token
 
 
 def _this_attempts_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
@@ -296,7 +308,7 @@ def setup_distributed() -> DistContext:
     world_size = int(os.environ["WORLD_SIZE"])
     meet = _meet_timeout()  # how long the ranks may take to meet, then one line instead of a hang
     _refuse_elastic_with_shared_store()  # --nnodes=MIN:MAX needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch 2.13)
-    namespace = _this_attempts_namespace(rank, world_size, meet)  # restarts under torchrun: see there
+    namespace = _fresh_store_namespace(rank, world_size, meet)  # restarts under torchrun: see there
     if namespace is not None:  # the agent's store, shared by every attempt
         group = {"store": dist.PrefixStore(f"{namespace}/pg", _store_client(PG_TIMEOUT)), "rank": rank,
                  "world_size": world_size}  # fmt: skip
