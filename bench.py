@@ -50,8 +50,8 @@ import reporting
 from char_dataset import CharCorpus
 from errors import UsageError
 from model import GPT
-from snapshot import SnapshotStore
-from trainer import DistContext, Trainer, TrainerConfig
+from distributed import DistContext
+from trainer import Trainer, TrainerConfig
 
 log = logging.getLogger("bench")
 
@@ -208,15 +208,6 @@ def time_alternating(trainer: Trainer, baseline: NanoGPTLoop, steps: int) -> tup
     return ours, theirs
 
 
-@dataclasses.dataclass
-class SoloContext(DistContext):
-    """One process on its own inside a torchrun job: its trainer uses no DDP and no collectives."""
-
-    @property
-    def distributed(self) -> bool:
-        return False
-
-
 def time_scaling(trainer: Trainer, solo: Optional[Trainer], steps: int) -> tuple[list[float], list[float]]:
     """Per round: rank 0 alone steps `solo` while the other ranks wait in a barrier, then all ranks step together."""
     together, alone = [], []
@@ -229,19 +220,18 @@ def time_scaling(trainer: Trainer, solo: Optional[Trainer], steps: int) -> tuple
     return together, alone
 
 
-def time_snapshots(trainer: Trainer, saves: int, location: str) -> dict:
+def time_snapshots(trainer: Trainer, saves: int) -> dict:
     """Training-thread time per snapshot (what blocks training) and the background write time."""
-    trainer.snapshots = SnapshotStore(location)
     blocked, total = [], []
     for _ in range(saves):
         trainer.train_step()
         start = time.perf_counter()
-        trainer.save_snapshot("benchmark")
+        trainer.checkpoints.save(trainer.step, "benchmark")
         blocked.append(time.perf_counter() - start)
-        trainer.wait_for_snapshot()
+        trainer.checkpoints.wait()
         total.append(time.perf_counter() - start)
     return {
-        "location": location,
+        "location": trainer.checkpoints.location,
         "saves": saves,
         "blocked_s_median": round(statistics.median(blocked), 4),
         "written_s_median": round(statistics.median(total), 4),
@@ -265,13 +255,24 @@ def time_training(args, cfg, corpus: CharCorpus, ctx: DistContext, trainer: Trai
                              "run bench.py under torchrun")  # fmt: skip
         solo = None
         if ctx.is_main:
-            solo = main.build_trainer(cfg, corpus, SoloContext(device=ctx.device), run_dir=None, with_snapshots=False)
-            solo.total_steps = trainer.total_steps
+            alone = DistContext(device=ctx.device)  # no process group: no DDP, no collectives
+            solo = main.build_trainer(cfg, corpus, alone, run_dir=None, with_snapshots=False)
         time_scaling(trainer, solo, args.warmup)
         times, solo_times = time_scaling(trainer, solo, args.steps)
         return times, {"scaling": summarize_scaling(solo, times, solo_times, ctx.world_size)} if solo else {}
     time_steps(trainer, args.warmup)
     return time_steps(trainer, args.steps), {}
+
+
+def timed_config(cfg, args: argparse.Namespace):
+    """The config of the timed trainer: its schedule spans exactly the benchmark's steps, and its snapshots (with
+    --snapshots) go to a temporary folder unless a snapshot_path was given."""
+    steps = args.warmup + args.steps + args.snapshots + 1
+    location = cfg.trainer_config.snapshot_path
+    if args.snapshots and (location == TrainerConfig().snapshot_path or not location):
+        location = tempfile.mkdtemp(prefix="bench-snapshots-")
+    trainer_cfg = dataclasses.replace(cfg.trainer_config, max_steps=steps, max_epochs=10**9, snapshot_path=location)
+    return dataclasses.replace(cfg, trainer_config=trainer_cfg)
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
@@ -282,15 +283,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
         reporting.setup_logging(ctx.rank, None)
         logging.getLogger().setLevel(logging.WARNING)  # the benchmark prints its own result
         distributed.configure_device(ctx.device)
-        trainer = main.build_trainer(cfg, corpus, ctx, run_dir=None, with_snapshots=False)
-        trainer.total_steps = args.warmup + args.steps + args.snapshots + 1
+        cfg = timed_config(cfg, args)
+        trainer = main.build_trainer(cfg, corpus, ctx, run_dir=None, with_snapshots=bool(args.snapshots))
         times, comparison = time_training(args, cfg, corpus, ctx, trainer)
-        snapshot = None
-        if args.snapshots:
-            location = cfg.trainer_config.snapshot_path
-            if location == TrainerConfig().snapshot_path or not location:
-                location = tempfile.mkdtemp(prefix="bench-snapshots-")
-            snapshot = time_snapshots(trainer, args.snapshots, location)
+        snapshot = time_snapshots(trainer, args.snapshots) if args.snapshots else None
         result = {**summarize(args, cfg, trainer, times, snapshot), **comparison} if ctx.is_main else None
     except BaseException:
         distributed.abandon_distributed()  # no collective teardown: a peer may never reach it

@@ -23,14 +23,14 @@ import sys
 import threading
 import time
 import uuid
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from errors import UsageError
 from stopping import exit_now
-from trainer import DistContext
 
 log = logging.getLogger(__name__)
 
@@ -299,6 +299,40 @@ def _parent_listens_on(port: int) -> bool:
     return False
 
 
+@dataclass
+class DistContext:
+    """Who this process is in the job, and the process group its collectives go through. Without a group (a plain
+    `python main.py`, or one rank of a job timing itself alone in bench.py) it is a process on its own."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    group: Optional[dist.ProcessGroup] = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        """Collective. The tensor reduced over all ranks, in place (itself when on its own)."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    def gather_objects(self, value: Any) -> list:
+        """Collective. Every rank's value, in rank order ([value] when on its own)."""
+        if not self.distributed:
+            return [value]
+        values = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.group)
+        return values
+
+
 def setup_distributed() -> DistContext:
     """Join the process group torchrun describes in the environment; without RANK, run as a single process."""
     cuda = torch.cuda.is_available()
@@ -323,7 +357,7 @@ def setup_distributed() -> DistContext:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=PG_TIMEOUT, **group)
-    ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, group=dist.group.WORLD)
     if world_size > 1:
         # A connection of its own (the main thread's may be busy). With the agent's store, the attempt's namespace
         # keeps an earlier attempt's failure from ending this one; otherwise the store is this attempt's (env://).

@@ -35,8 +35,8 @@ import config
 from char_dataset import CharCorpus, resolve_path
 from config import CONFIG_NAME, TrainConfig, redacted, scrub_hydra_output, sweep_job_name, to_dataclasses
 from distributed import (
-    abandon_distributed, check_launch_environment, configure_device, global_rank, leave_distributed, on_abrupt_exit,
-    report_failure, setup_distributed,
+    DistContext, abandon_distributed, check_launch_environment, configure_device, global_rank, leave_distributed,
+    on_abrupt_exit, report_failure, setup_distributed,
 )  # fmt: skip
 from errors import UsageError, describe
 from model import GPT
@@ -45,7 +45,7 @@ from plot import write_loss_plot
 from reporting import setup_logging
 from sample import generate_text
 from snapshot import SnapshotStore
-from trainer import DistContext, Trainer
+from trainer import Trainer
 
 log = logging.getLogger("mingpt")
 
@@ -84,7 +84,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
     log.info("run directory: %s", run_dir)
     log.info("data: %s characters, vocabulary of %d", f"{corpus.data.numel():,}", len(corpus.vocab))
     trainer = build_trainer(cfg, corpus, ctx, run_dir)
-    on_abrupt_exit(trainer.finish_snapshot_quietly)  # a snapshot being written is finished first
+    on_abrupt_exit(trainer.checkpoints.finish_quietly)  # a snapshot being written is finished first
     trainer.fit()
     if ctx.is_main and trainer.trained_steps and not trainer.stopped_early:
         report_results(trainer, corpus, run_dir)

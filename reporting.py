@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Optional
 
 METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
+log = logging.getLogger(__name__)
 step_log = logging.getLogger(f"{__name__}.steps")  # per-step lines: a console filter drops them when a bar shows
 
 
@@ -122,6 +124,25 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def report_end(metrics: MetricsLog, digests: list[str], rank: int, **summary) -> None:
+    """The end of a fit: whether every rank ended with the same weights (their digests, in rank order), one line,
+    and summary.json beside metrics.jsonl (rank 0)."""
+    identical, digest, wall = len(set(digests)) == 1, digests[min(rank, len(digests) - 1)], summary["wall_time_s"]
+    if not identical:
+        log.error("replicas diverged: weight digests differ between ranks: %s", digests)
+    elif not summary["finished"]:
+        log.info("stopped at step %d after %.1f s; run the same command again to continue", summary["steps"], wall)
+    else:
+        log.info("done: %d steps in %.1f s; weights identical on all %d rank(s), sha256 %s", summary["steps"], wall,
+                 len(digests), digest[:16])  # fmt: skip
+    if metrics.path is not None:
+        summary = {**summary, "weights_sha256": digest, "rank_weights_sha256": digests, "replicas_identical": identical}
+        order = ("steps", "epochs_completed", "finished", "val_loss", "weights_sha256", "rank_weights_sha256",
+                 "replicas_identical", "wall_time_s", "world_size")  # fmt: skip
+        text = json.dumps({key: summary[key] for key in order}, indent=2) + "\n"
+        (metrics.path.parent / SUMMARY_FILE).write_text(text)
 
 
 def metrics_path(source: Path) -> Path:

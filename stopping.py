@@ -1,8 +1,11 @@
 """Stopping a distributed job together: agreeing on the step after which every rank stops, and a deadline for a
 rank that cannot agree.
 
-    vote = StopVote(device)              # once per job
-    if vote.cast(stop_requested): ...    # after every step: True on every rank after the same step
+    stop = StopRequest(rank, device, group, timeout_s, before_exit)   # once per job
+    with stop.watch():                                 # SIGTERM now requests a stop, with a deadline
+        while training:
+            step()
+            if stop.agreed(): ...                      # True on every rank after the same step
 
 SIGTERM sets a flag in the main thread; the ranks must stop after the same step, or the ones left would wait
 forever in the next all-reduce. Agreeing costs one all-reduce of one flag per step: StopVote starts it in the
@@ -11,12 +14,13 @@ background and reads it one step later, so no step waits for a round trip (a sto
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,8 +36,9 @@ class StopVote:
     transport): a side stream waits for the all-reduce and copies the flag to pinned host memory, so neither the
     training stream nor the host waits; one step later the copy's event has long completed."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> None:
         self.device = device
+        self.group = group
         self.cuda = device.type == "cuda"
         self.side_stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending: Optional[tuple[Optional[dist.Work], torch.Tensor, Optional[torch.cuda.Event]]] = None
@@ -50,9 +55,9 @@ class StopVote:
     def _start(self, flag: bool) -> tuple:
         if not self.cuda:
             value = torch.tensor([int(flag)], dtype=torch.int32)
-            return dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True), value, None
+            return dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group, async_op=True), value, None
         on_device = torch.full((1,), int(flag), dtype=torch.int32, device=self.device)  # a kernel, no host copy
-        work = dist.all_reduce(on_device, op=dist.ReduceOp.MAX, async_op=True)
+        work = dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         host = torch.empty(1, dtype=torch.int32).pin_memory()
         done = torch.cuda.Event()
         with torch.cuda.stream(self.side_stream):
@@ -72,6 +77,48 @@ class StopVote:
         if done is not None:
             done.synchronize()
         return bool(value.item())
+
+
+class StopRequest:
+    """SIGTERM (sent by torchrun, SLURM and cloud schedulers before a kill, and by the kernel when the torchrun agent
+    dies) ends training after the current step, on every rank after the same one, instead of killing the process
+    mid-step. A rank that cannot agree with its peers within `timeout_s` leaves without them (StopDeadline),
+    after `before_exit` (which finishes a snapshot being written). `group` None: a process on its own."""
+
+    def __init__(self, rank: int, device: torch.device, group: Optional[dist.ProcessGroup], timeout_s: float,
+                 before_exit: Callable[[], None]) -> None:  # fmt: skip
+        self.rank, self.timeout_s, self.before_exit = rank, timeout_s, before_exit
+        self.signal: Optional[int] = None
+        self._vote = StopVote(device, group) if group is not None else None
+        self._deadline: Optional[StopDeadline] = None
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[StopRequest]:
+        """While inside, SIGTERM requests a stop (only the main thread can take signals: elsewhere nothing does)."""
+
+        def request_stop(signum: int, _frame) -> None:
+            self.signal = signum
+
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, request_stop) if in_main_thread else None
+        self._deadline = StopDeadline(self.timeout_s if in_main_thread else None, self.rank, self.before_exit)
+        try:
+            yield self
+            if self._vote is not None:
+                self._vote.finish()  # no collective of the loop left behind (not after an error: a peer may be gone)
+        finally:
+            self._deadline.close()
+            if in_main_thread:
+                signal.signal(signal.SIGTERM, previous)
+
+    def agreed(self) -> bool:
+        """After each step: whether every rank stops now. All must stop after the same step, or the ones left
+        would wait forever in the next all-reduce."""
+        requested = self.signal is not None
+        stop = self._vote.cast(requested) if self._vote is not None else requested
+        if stop and self._deadline is not None:
+            self._deadline.agreed.set()
+        return stop
 
 
 class StopDeadline:

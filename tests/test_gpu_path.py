@@ -14,7 +14,8 @@ from reporting import read_metrics
 from errors import UsageError
 from model import GPT, GPTConfig
 from optim import OptimizerConfig, build_optimizer, learning_rate
-from trainer import DistContext, Trainer, TrainerConfig, resolve_precision
+from distributed import DistContext
+from trainer import Trainer, TrainerConfig, resolve_precision
 
 CUDA = torch.device("cuda", 0)
 
@@ -67,7 +68,7 @@ def test_batches_are_one_contiguous_window_block(workers):
     trainer._start_epoch()
     windows = next(trainer._batches)
     assert windows.shape == (8, 17) and windows.is_contiguous()
-    x, y = trainer._split(windows)
+    x, y = trainer.split(windows)
     want_x, want_y = trainer.train_loader.dataset.dataset.__getitems__(indices)
     assert torch.equal(x, want_x) and torch.equal(y, want_y)
     assert x.data_ptr() == windows.data_ptr() and y.data_ptr() == windows[:, 1:].data_ptr()  # views, no copy
@@ -115,10 +116,11 @@ def test_scaler_state_across_precisions(saved, resumed, caplog):
     before.train_step()
     if before.scaler.is_enabled():
         before.scaler.update(1024.0)  # a loss scale that is not the default
-    snap = {**before.state_dict(before._gather_loss_window()), "world_size": 1}
+    snap = {key: part.state_dict() for key, part in before.checkpoints.stateful.items()}  # what a snapshot holds
     after = make_trainer(mixed_precision=resumed)
     with caplog.at_level(logging.INFO, logger="trainer"):
-        after.load_state_dict(snap)
+        for key, part in after.checkpoints.stateful.items():
+            part.load_state_dict(snap[key])
     lines = [r.getMessage() for r in caplog.records if "scale" in r.getMessage()]
     assert after.step == 1 and after.scaler.is_enabled() == (resumed == "fp16")
     if saved == resumed:

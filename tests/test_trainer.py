@@ -1,5 +1,6 @@
 """The trainer in one process (no process group): steps, accumulation, evaluation, precision, sampling."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,22 +10,26 @@ from char_dataset import CharCorpus, DataConfig
 from errors import UsageError
 from model import GPT, GPTConfig
 from optim import OptimizerConfig, build_optimizer, learning_rate
-from trainer import DistContext, ResumableDistributedSampler, Trainer, TrainerConfig, resolve_precision
+from distributed import DistContext
+from trainer import ResumableDistributedSampler, Trainer, TrainerConfig, resolve_precision, seed_dropout, validation_loss
 from reporting import read_metrics
+from snapshot import SnapshotStore
 
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(400))
 
 
-def make_trainer(tmp_path=None, dropout=0.0, **trainer_kwargs) -> Trainer:
+def make_trainer(tmp_path=None, dropout=0.0, snapshots=None, **trainer_kwargs) -> Trainer:
     corpus = CharCorpus(TEXT, DataConfig(block_size=16))
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, dropout=dropout, vocab_size=len(corpus.vocab),
-                          block_size=16))
+    gpt_cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, dropout=dropout, vocab_size=len(corpus.vocab), block_size=16)
+    model = GPT(gpt_cfg)
+    metadata = {"model_config": dataclasses.asdict(gpt_cfg), "vocab": corpus.vocab.chars}
     opt_cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3)
     cfg = TrainerConfig(**{"mixed_precision": "fp32", "log_every_steps": 5, **trainer_kwargs})
     return Trainer(cfg, model, build_optimizer(model, opt_cfg),
                    lambda step, total: learning_rate(step, opt_cfg, total),
-                   corpus.train_dataset(), corpus.val_dataset(), DistContext(), tmp_path)
+                   corpus.train_dataset(), corpus.val_dataset(), DistContext(), tmp_path,
+                   snapshots=None if snapshots is None else SnapshotStore(str(snapshots)), snapshot_metadata=metadata)  # fmt: skip
 
 
 def test_fit_writes_metrics_and_loss_falls(tmp_path):
@@ -60,23 +65,24 @@ def test_epoch_boundaries_and_max_epochs():
 
 def test_evaluation_is_deterministic_and_in_eval_mode():
     trainer = make_trainer(max_steps=1, batch_size=8, dropout=0.3)
-    first, second = trainer._evaluate(), trainer._evaluate()
+    evaluate = lambda: validation_loss(trainer.eval_model, trainer.val_loader, None, trainer.ctx, trainer.split,  # noqa: E731
+                                       trainer.autocast)  # fmt: skip
+    first, second = evaluate(), evaluate()
     assert first == second  # dropout off during evaluation
     assert trainer.eval_model.training  # and back in training mode afterwards
 
 
 def test_dropout_masks_depend_on_step_and_rank():
-    trainer = make_trainer(max_steps=1, batch_size=8)
-    trainer._seed_dropout()
+    cpu = torch.device("cpu")
+    seed_dropout(1337, 5, 0, cpu)
     a = torch.rand(4)
-    trainer._seed_dropout()
+    seed_dropout(1337, 5, 0, cpu)
     assert torch.equal(a, torch.rand(4))  # a pure function of (seed, step, rank)
-    trainer.step += 1
-    trainer._seed_dropout()
+    seed_dropout(1337, 6, 0, cpu)
     assert not torch.equal(a, torch.rand(4))
-    trainer.step -= 1
-    trainer.ctx = DistContext(rank=1, world_size=2)
-    trainer._seed_dropout()
+    seed_dropout(1337, 5, 1, cpu)
+    assert not torch.equal(a, torch.rand(4))
+    seed_dropout(1338, 5, 0, cpu)
     assert not torch.equal(a, torch.rand(4))
 
 
@@ -130,3 +136,19 @@ def test_sampler_order_changes_with_epoch():
     first = list(sampler)
     sampler.set_epoch(1)
     assert list(sampler) != first and sorted(first) == list(range(50))
+
+
+def test_a_resume_between_log_lines_logs_what_the_uninterrupted_run_logs(tmp_path):
+    """A snapshot taken between two log lines (a SIGTERM, save_every_steps) carries the partial loss window: the
+    resumed run's next line averages the same steps, to the same value, as the uninterrupted run's."""
+    common = {"max_steps": 20, "batch_size": 8, "log_every_steps": 10, "eval_every_steps": 0, "save_every_steps": 7,
+              "keep_last": 5}  # fmt: skip
+    whole = make_trainer(tmp_path / "whole", snapshots=tmp_path / "snaps", **common)
+    whole.fit()
+    for later in ("snapshot-000000014.pt", "snapshot-000000020.pt"):  # as if the job had stopped at step 7
+        (tmp_path / "snaps" / later).unlink()
+    resumed = make_trainer(tmp_path / "resumed", snapshots=tmp_path / "snaps", **common)
+    resumed.fit()
+    want = {r["step"]: r["train_loss"] for r in read_metrics(tmp_path / "whole") if "train_loss" in r}
+    got = {r["step"]: r["train_loss"] for r in read_metrics(tmp_path / "resumed") if "train_loss" in r}
+    assert got == {10: want[10], 20: want[20]}

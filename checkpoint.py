@@ -1,0 +1,125 @@
+"""When to snapshot and what goes in: the checkpoint component between the training loop and snapshot.py.
+
+    checkpoints = Checkpointer(store, metadata, cfg, ctx, {"model": model, "optimizer": optimizer, ...})
+    checkpoints.restore()                                    # every rank, before training
+    checkpoints.save_if_due(step, finished_epoch=None)       # after every step: the cadence decides
+    checkpoints.save(step, "end of training")                # at the end, on SIGTERM
+
+The trainer hands it stateful objects (anything with `state_dict()` and `load_state_dict()`) under the keys they
+take in a snapshot; it knows nothing of their contents. Every rank calls `state_dict()` (a state may need a
+collective to assemble); global rank 0 copies the result to CPU memory and a background writer serialises,
+checksums, writes atomically and prunes. What a snapshot is (bytes, storage, validation, the newest valid one)
+stays in snapshot.py; a sharded format can go behind this interface without touching the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import snapshot as snapshot_lib
+from distributed import DistContext
+from snapshot import SnapshotStore
+
+log = logging.getLogger(__name__)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+@dataclass
+class Cadence:
+    """When snapshots are due besides the end of training and a stop: every `save_every` epochs, and every
+    `save_every_steps` optimizer steps (None: off)."""
+
+    save_every: int = 1
+    save_every_steps: Optional[int] = None
+    keep_last: int = 2
+
+
+@dataclass
+class Restored:
+    """What `restore()` found: the snapshot's URL and the number of processes that wrote it."""
+
+    url: str
+    world_size: int
+
+
+class Checkpointer:
+    """Snapshots of `stateful` objects in `store` (None: no snapshots at all)."""
+
+    def __init__(self, store: Optional[SnapshotStore], metadata: dict, cadence: Cadence, ctx: DistContext,
+                 stateful: dict[str, Stateful]) -> None:  # fmt: skip
+        self.store, self.metadata, self.cadence, self.ctx = store, metadata, cadence, ctx
+        self.stateful = stateful
+        self.blocked_s: list[float] = []  # training-thread time per snapshot, for reports and bench.py
+        self._last_saved_step = -1
+        self._writer: Optional[snapshot_lib.BackgroundWriter] = None
+
+    @property
+    def location(self) -> str:
+        return self.store.location if self.store is not None else "memory"
+
+    # --------------------------------------------------------------------------------------------------- saving
+    def save_if_due(self, step: int, finished_epoch: Optional[int] = None) -> float:
+        """After an optimizer step (and, with `finished_epoch`, the epoch it completed): a snapshot if one is due.
+        Returns the seconds the calling thread was blocked."""
+        blocked = 0.0
+        if finished_epoch is not None and (finished_epoch + 1) % self.cadence.save_every == 0:
+            blocked += self.save(step, f"end of epoch {finished_epoch}")
+        if self.cadence.save_every_steps and step % self.cadence.save_every_steps == 0:
+            blocked += self.save(step, f"every {self.cadence.save_every_steps} steps")
+        return blocked
+
+    def save(self, step: int, reason: str) -> float:
+        """Every rank calls this at the same step; only global rank 0 writes, the others go straight on. A step
+        saved already is not saved again. Returns the seconds the calling thread was blocked."""
+        if self.store is None or self._last_saved_step == step:
+            return 0.0
+        states = {key: obj.state_dict() for key, obj in self.stateful.items()}  # on every rank: may be collective
+        self._last_saved_step = step
+        if not self.ctx.is_main:
+            return 0.0
+        start = time.perf_counter()
+        state = snapshot_lib.cpu_copy(states)  # the only part that blocks training
+        if self._writer is None:
+            self._writer = snapshot_lib.BackgroundWriter(self.store, self.cadence.keep_last)
+        self._writer.submit(snapshot_lib.snapshot_name(step), state, self.metadata, self.ctx.world_size, reason)
+        blocked = time.perf_counter() - start
+        self.blocked_s.append(blocked)
+        return blocked
+
+    def wait(self, raise_error: bool = True) -> None:
+        """Block until the snapshot being written is complete (raises if writing it failed, if asked to)."""
+        if self._writer is not None:
+            self._writer.wait(raise_error=raise_error)
+
+    def finish_quietly(self) -> None:
+        """Wait for a snapshot being written, on a path that is ending anyway (its failure is not raised)."""
+        self.wait(raise_error=False)
+
+    # --------------------------------------------------------------------------------------------------- restoring
+    def restore(self) -> Optional[Restored]:
+        """Load the newest valid snapshot into the stateful objects, if there is one. Every rank loads it, and all
+        must have found the same one."""
+        if self.store is None:
+            return None
+        if self.ctx.is_main:
+            self.store.check_writable()
+        found = self.store.load_newest_valid(self.metadata.get("model_config", {}), self.metadata.get("vocab", ""))
+        steps = self.ctx.gather_objects(-1 if found is None else found[0].step)
+        if len(set(steps)) != 1:
+            raise RuntimeError(f"ranks found different snapshots to resume from (steps {steps})")
+        if found is None:
+            log.info("no snapshot in %s: starting from scratch", self.store.location)
+            return None
+        entry, snap = found
+        for key, obj in self.stateful.items():
+            obj.load_state_dict(snap[key])
+        self._last_saved_step = entry.step
+        return Restored(url=self.store.url(entry.name), world_size=snap["world_size"])
