@@ -43,14 +43,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-import distributed
 import config
+import distributed
 import main
 import reporting
 from char_dataset import CharCorpus
+from distributed import DistContext
 from errors import UsageError
 from model import GPT
-from distributed import DistContext
 from trainer import Trainer, TrainerConfig
 
 log = logging.getLogger("bench")
@@ -61,14 +61,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (allocator, compile, buckets)")
     parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="peak per process; default: the GPU's datasheet peak if known, else measured")  # fmt: skip
+                        help="peak per process; default: the GPU's datasheet peak if known, else measured")
     parser.add_argument("--snapshots", type=int, default=0, help="also time this many snapshot saves")
     parser.add_argument("--json", default=None, help="also write the result to this file")
     comparison = parser.add_mutually_exclusive_group()
     comparison.add_argument("--baseline", choices=["nanogpt"], default=None,
-                            help="also time nanoGPT's CPU training loop, alternating steps (1 CPU process)")  # fmt: skip
+                            help="also time nanoGPT's CPU training loop, alternating steps (1 CPU process)")
     comparison.add_argument("--scaling", action="store_true",
-                            help="under torchrun: also time one process alone, alternating rounds")  # fmt: skip
+                            help="under torchrun: also time one process alone, alternating rounds")
     return parser.parse_known_args(argv)
 
 
@@ -88,7 +88,7 @@ KNOWN_PEAKS: tuple[tuple[str, str, dict[str, float]], ...] = (
     ("H100 PCIe", "NVIDIA H100 PCIe", {"bf16": 756, "tf32": 378, "fp32": 51}),
     ("H100", "NVIDIA H100 SXM", {"bf16": 989, "tf32": 494, "fp32": 67}),
     ("A100", "NVIDIA A100", {"bf16": 312, "tf32": 156, "fp32": 19.5}),
-)  # fmt: skip
+)
 
 
 def known_peak_tflops(device_name: str, dtype: torch.dtype, tf32: bool = True) -> Optional[tuple[float, str]]:
@@ -118,7 +118,7 @@ def peak_tflops(given: Optional[float], device: torch.device, dtype: torch.dtype
         if known is not None:
             return known
         log.warning("no datasheet peak known for %s: MFU is against a measured matmul, which reads 15-30%% high "
-                    "on a GPU; pass --peak-tflops for the real one", name)  # fmt: skip
+                    "on a GPU; pass --peak-tflops for the real one", name)
     return measure_peak_tflops(device, dtype), "measured matmul"
 
 
@@ -167,11 +167,11 @@ class NanoGPTLoop:
         self.batch_size, self.accum, self.clip = tc.batch_size, tc.grad_accum_steps, tc.grad_norm_clip
         # nanoGPT's attention is torch's scaled_dot_product_attention, whatever gpt_config.attention says here.
         gpt_cfg = dataclasses.replace(cfg.gpt_config, vocab_size=len(corpus.vocab), block_size=self.block_size,
-                                      attention="sdpa")  # fmt: skip
+                                      attention="sdpa")
         torch.manual_seed(tc.seed)
         self.model = GPT(gpt_cfg)
         self.optimizer = torch.optim.AdamW(self.model.param_groups(oc.weight_decay), lr=oc.learning_rate,
-                                           betas=(oc.beta1, oc.beta2), eps=oc.eps)  # fmt: skip
+                                           betas=(oc.beta1, oc.beta2), eps=oc.eps)
         self.learning_rate = oc.learning_rate
         self.data = corpus.train_dataset().data
         self.x, self.y = self._batch()
@@ -252,7 +252,7 @@ def time_training(args, cfg, corpus: CharCorpus, ctx: DistContext, trainer: Trai
     if args.scaling:
         if not ctx.distributed:
             raise UsageError("--scaling compares the processes of a torchrun job with one of them alone: "
-                             "run bench.py under torchrun")  # fmt: skip
+                             "run bench.py under torchrun")
         solo = None
         if ctx.is_main:
             alone = DistContext(device=ctx.device)  # no process group: no DDP, no collectives

@@ -21,8 +21,9 @@ included) equals the reference's row of that step. Lost steps: for each kill, th
 kill minus the step the next attempt resumed from (what had to be recomputed).
 
 The reference and the trials run a copy of the code taken at the start (WORKDIR/code), so that edits to the
-working tree while the harness runs cannot make them differ. The job runs `torchrun --standalone --nproc_per_node=N --max-restarts=K main.py ...` exactly as documented,
-without TORCH_DISABLE_SHARE_RDZV_TCP_STORE (distributed.py's setup_distributed makes restarts reliable without it).
+working tree while the harness runs cannot make them differ. The job runs
+`torchrun --standalone --nproc_per_node=N --max-restarts=K main.py ...` exactly as documented, without
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE (distributed.py's setup_distributed makes restarts reliable without it).
 Exit status: 0 when every trial resumed and ended identical, 1 otherwise.
 """
 
@@ -178,7 +179,7 @@ class Job:
             f"data_config.path={PROJECT_DIR / 'data' / 'input.txt'}",
             f"trainer_config.max_steps={self.steps}", f"trainer_config.snapshot_path={self.snaps}",
             f"hydra.run.dir={self.run_dir}",
-        ]  # fmt: skip
+        ]
 
     def start(self) -> None:
         env = dict(os.environ)
@@ -189,7 +190,7 @@ class Job:
         self.launches += 1
         log = (self.folder / f"launch-{self.launches}.log").open("w")
         self.process = subprocess.Popen(self.command(), cwd=self.folder, env=env, stdout=log,
-                                        stderr=subprocess.STDOUT)  # fmt: skip
+                                        stderr=subprocess.STDOUT)
         log.close()
 
     def workers(self) -> list[int]:
@@ -206,7 +207,7 @@ class Job:
 
     def launch_logs(self) -> str:
         return "\n".join((self.folder / f"launch-{n}.log").read_text(errors="replace")
-                         for n in range(1, self.launches + 1))  # fmt: skip
+                         for n in range(1, self.launches + 1))
 
     def kill_all(self) -> list[int]:
         """SIGKILL the agent and its workers, back to back (torchrun starts each worker in its own session, so
@@ -252,7 +253,7 @@ class Attempt:
 def _new_attempt(job: Job, previous: list[int], timeout: float) -> Optional[Attempt]:
     """Wait until the job's workers are (re)started: all nproc of them, none of the previous ones."""
     workers = _wait(lambda: (w := job.workers()) and len(w) == job.nproc and not set(w) & set(previous) and w
-                    or (not job.running() and "ended"), timeout, interval=0.005)  # fmt: skip
+                    or (not job.running() and "ended"), timeout, interval=0.005)
     if not workers or workers == "ended":
         return None
     return Attempt(job, workers)
@@ -335,7 +336,7 @@ def _settle(pending: list[Kill], base: Optional[int]) -> None:
 
 
 def run_trial(index: int, folder: Path, restart: str, targets: list[str], rng: random.Random, nproc: int,
-              steps: int, startup_s: float, timeout: float, code: Path) -> Trial:  # fmt: skip
+              steps: int, startup_s: float, timeout: float, code: Path) -> Trial:
     trial = Trial(index=index, restart=restart)
     started = time.monotonic()
     shutil.rmtree(folder, ignore_errors=True)
@@ -432,7 +433,7 @@ def freeze_code(folder: Path) -> Path:
 
 
 def run_chaos(trials: int, seed: int = 0, nproc: int = 2, workdir: Optional[Path] = None, steps: int = 45,
-              kills: int = 2, timeout: float = 300, log: Callable[[str], None] = print) -> dict:  # fmt: skip
+              kills: int = 2, timeout: float = 300, log: Callable[[str], None] = print) -> dict:
     """The reference run and `trials` chaos trials; returns the results (see main() for the table)."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -441,7 +442,7 @@ def run_chaos(trials: int, seed: int = 0, nproc: int = 2, workdir: Optional[Path
     code = freeze_code(workdir / "code")
     reference = run_reference(workdir / "reference", nproc, steps, timeout, code)
     log(f"reference: {steps} steps in {reference['seconds']} s (start-up {reference['startup_s']} s), "
-        f"sha256 {reference['sha256'][:16]}")  # fmt: skip
+        f"sha256 {reference['sha256'][:16]}")
     # Moments in shuffled rounds of all four: any 4 consecutive kills cover every moment.
     targets: list[str] = []
     while len(targets) < trials * kills:
@@ -451,7 +452,7 @@ def run_chaos(trials: int, seed: int = 0, nproc: int = 2, workdir: Optional[Path
         restart = RESTARTS[i % len(RESTARTS)]
         folder, trial_rng = workdir / f"trial-{i + 1:03d}", random.Random(rng.getrandbits(64))
         trial = run_trial(i + 1, folder, restart, targets[i * kills : (i + 1) * kills], trial_rng, nproc, steps,
-                          reference["startup_s"], timeout, code)  # fmt: skip
+                          reference["startup_s"], timeout, code)
         if trial.resumed:
             trial.identical, why = compare(folder / "run", reference)
             if not trial.identical:
@@ -473,14 +474,14 @@ def run_chaos(trials: int, seed: int = 0, nproc: int = 2, workdir: Optional[Path
         "reference": {k: reference[k] for k in ("sha256", "startup_s", "seconds")},
         "summary": summary,
         "trials": [{**asdict(t), "lost": t.lost} for t in results],
-    }  # fmt: skip
+    }
 
 
 def trial_line(t: Trial) -> str:
     kills = "; ".join(
         f"{k.target}->{k.hit} {k.killed} at step {k.step}, resumed from {k.resumed_from} (lost {k.lost})"
         if k.hit != "missed" else f"{k.target}->missed (job ended first)" for k in t.kills
-    )  # fmt: skip
+    )
     status = "ok" if t.identical else f"FAILED: {t.error.splitlines()[0] if t.error else 'not identical'}"
     return f"trial {t.index:3d} {t.restart:8s} {t.seconds:6.1f} s  {status}  [{kills}]"
 
@@ -493,12 +494,12 @@ def table(result: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
         f"| {s['trials']} | {s['resumed']} | {s['identical']} | {s['lost_steps']} | {s['kills']} | {hits} | "
         f"{s['seconds']:.0f} s |",
-    ])  # fmt: skip
+    ])
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=20, help="number of chaos trials (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the moments, ranks and delays (default 0)")
     parser.add_argument("--nproc", type=int, default=2, help="torchrun --nproc_per_node (default 2)")

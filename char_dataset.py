@@ -71,7 +71,7 @@ def check_location(location: str, what: str = "storage location") -> bool:
     if not URL_SCHEME.match(location):
         if "://" in location or "::" in location:
             raise UsageError(f"{what} {location!r} is not a URL (it does not start with PROTOCOL://) nor a local path "
-                             f"(a local path cannot contain '://' or '::')")  # fmt: skip
+                             f"(a local path cannot contain '://' or '::')")
         return False
     known = set(fsspec.available_protocols())
     parts = location.split("::")
@@ -100,12 +100,12 @@ def _check_url(url: str, location: str, what: str, known: set[str]) -> None:
         shape = f"{protocol}://{'HOST' if protocol in HOST_PROTOCOLS else 'BUCKET'}/PATH"
     if not rest.startswith("//"):
         raise UsageError(f"{what} {location!r} is not a complete URL: {protocol + ':'!r} must be followed by '//' "
-                         f"(expected {shape})")  # fmt: skip
+                         f"(expected {shape})")
     rest = rest[2:]
     if protocol in ("file", "local") and rest and not rest.startswith("/"):
         # fsspec would take file://runs/x relative to the current directory, not to the project
         raise UsageError(f"{what} {location!r}: a {protocol} URL needs an absolute path (expected {shape}; a "
-                         f"relative local path is written without {protocol}://)")  # fmt: skip
+                         f"relative local path is written without {protocol}://)")
     if not rest or (protocol not in HOSTLESS_PROTOCOLS and not rest.split("/", 1)[0]):
         missing = "path" if protocol in HOSTLESS_PROTOCOLS else ("host" if protocol in HOST_PROTOCOLS else "bucket")
         raise UsageError(f"{what} {location!r}: no {missing} after '{protocol}://' (expected {shape})")

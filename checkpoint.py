@@ -54,7 +54,7 @@ class Checkpointer:
     """Snapshots of `stateful` objects in `store` (None: no snapshots at all)."""
 
     def __init__(self, store: Optional[SnapshotStore], metadata: dict, cadence: Cadence, ctx: DistContext,
-                 stateful: dict[str, Stateful]) -> None:  # fmt: skip
+                 stateful: dict[str, Stateful]) -> None:
         self.store, self.metadata, self.cadence, self.ctx = store, metadata, cadence, ctx
         self.stateful = stateful
         self.blocked_s: list[float] = []  # training-thread time per snapshot, for reports and bench.py

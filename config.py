@@ -63,7 +63,7 @@ HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p"}
 HYDRA_FLAGS = {"--multirun", "-m", "--run", "-r", "--resolve"}
 HYDRA_MODES = {"--run": {"--run", "-r"}, "--multirun": {"--multirun", "-m"}, "--cfg": {"--cfg", "-c"}}
 HYDRA_FLAGS_ELSEWHERE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--info", "-i",
-                         "--shell-completion", "-sc", "--version", "--hydra-help", "--experimental-rerun"}  # fmt: skip
+                         "--shell-completion", "-sc", "--version", "--hydra-help", "--experimental-rerun"}
 
 
 def split_hydra_flags(args: list[str]) -> Optional[tuple[set[str], list[str]]]:
@@ -204,7 +204,7 @@ def sweep_job_name(argv: list[str], job_overrides: list[str]) -> str:
 
     parser = OverridesParser.create()
     swept = {o.key_or_group for o in parser.parse_overrides([a for a in argv if not a.startswith("-")])
-             if o.is_sweep_override()}  # fmt: skip
+             if o.is_sweep_override()}
     job = parser.parse_overrides(job_overrides)
     return ",".join(f"{o.key_or_group}={o.value()}" for o in job if o.key_or_group in swept)
 

@@ -43,7 +43,7 @@ PG_TIMEOUT = datetime.timedelta(minutes=10)
 MEET_TIMEOUT_VARIABLE = "MINGPT_MEET_TIMEOUT_S"
 MEET_TIMEOUT_DEFAULT_S = 300.0
 SHARED_STORE_FIX = ("set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment of every torchrun agent "
-                    "(README: Several nodes)")  # fmt: skip
+                    "(README: Several nodes)")
 
 
 def global_rank() -> int:
@@ -59,7 +59,7 @@ def check_launch_environment() -> None:
     missing = [name for name in TORCHRUN_VARIABLES if not os.environ.get(name)]
     if missing:
         raise UsageError(f"RANK is set but {', '.join(missing)} is not: launch with torchrun, or unset RANK to run "
-                         f"a single process")  # fmt: skip
+                         f"a single process")
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         if not os.environ[name].isdigit():
             raise UsageError(f"environment variable {name}={os.environ[name]!r} is not a number")
@@ -149,7 +149,7 @@ def _this_attempts_store(rank: int, world_size: int, timeout: datetime.timedelta
     try:
         if rank == 0:
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=True,
-                                  timeout=timeout, multi_tenant=True, wait_for_workers=False)  # fmt: skip
+                                  timeout=timeout, multi_tenant=True, wait_for_workers=False)
         else:
             store = _store_client_by(deadline, timeout, shared=False)
         store.set(here[rank], "1")
@@ -178,11 +178,11 @@ def _not_met(what: str, timeout: datetime.timedelta, shared: bool) -> UsageError
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     if shared:  # the agent's store: most likely the torch bug after a node joined or left
         cause = (f"torchrun (torch {torch.__version__}) can give the workers of different nodes different stores "
-                 f"after a node joined or left (this node's: {where}); {SHARED_STORE_FIX}")  # fmt: skip
+                 f"after a node joined or left (this node's: {where}); {SHARED_STORE_FIX}")
     else:
         cause = f"a rank did not start, or cannot reach rank 0's store at {where}: see that rank's log"
     return UsageError(f"the ranks did not meet within {timeout.total_seconds():g} s ({what}): {cause}; workers "
-                      f"that start slower than that need a larger {MEET_TIMEOUT_VARIABLE} (seconds)")  # fmt: skip
+                      f"that start slower than that need a larger {MEET_TIMEOUT_VARIABLE} (seconds)")
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -231,7 +231,7 @@ def _refuse_elastic_with_shared_store() -> None:
     if high and low.strip() != high.strip():
         raise UsageError(f"torchrun --nnodes={nnodes} lets nodes join and leave, which torch {torch.__version__} "
                          f"breaks while the agents share their rendezvous store with the workers (a node that "
-                         f"joins makes every agent fail or hang): {SHARED_STORE_FIX}")  # fmt: skip
+                         f"joins makes every agent fail or hang): {SHARED_STORE_FIX}")
 
 
 def _agent_option(name: str) -> Optional[str]:
@@ -271,7 +271,7 @@ def _refuse_a_stale_agent_store() -> None:
         return
     raise UsageError(f"torchrun gave the workers of node {group_rank} the store of their own agent "
                      f"({os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}), which node 0's workers do not use: "
-                     f"a torch {torch.__version__} bug once a node has joined or left; {SHARED_STORE_FIX}")  # fmt: skip
+                     f"a torch {torch.__version__} bug once a node has joined or left; {SHARED_STORE_FIX}")
 
 
 def _parent_listens_on(port: int) -> bool:
@@ -345,7 +345,7 @@ def setup_distributed() -> DistContext:
     namespace = _fresh_store_namespace(rank, world_size, meet)  # restarts under torchrun: see there
     if namespace is not None:  # the agent's store, shared by every attempt
         group = {"store": dist.PrefixStore(f"{namespace}/pg", _store_client(PG_TIMEOUT)), "rank": rank,
-                 "world_size": world_size}  # fmt: skip
+                 "world_size": world_size}
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # a store of this attempt's own
         group = {"store": _this_attempts_store(rank, world_size, meet), "rank": rank, "world_size": world_size}
     else:

@@ -35,9 +35,16 @@ import config
 from char_dataset import CharCorpus, resolve_path
 from config import CONFIG_NAME, TrainConfig, redacted, scrub_hydra_output, sweep_job_name, to_dataclasses
 from distributed import (
-    DistContext, abandon_distributed, check_launch_environment, configure_device, global_rank, leave_distributed,
-    on_abrupt_exit, report_failure, setup_distributed,
-)  # fmt: skip
+    DistContext,
+    abandon_distributed,
+    check_launch_environment,
+    configure_device,
+    global_rank,
+    leave_distributed,
+    on_abrupt_exit,
+    report_failure,
+    setup_distributed,
+)
 from errors import UsageError, describe
 from model import GPT
 from optim import OptimizerConfig, build_optimizer, learning_rate
@@ -71,7 +78,7 @@ def build_trainer(
     return Trainer(
         tc, model, optimizer, schedule, corpus.train_dataset(), corpus.val_dataset(), ctx, run_dir,
         snapshots=store, snapshot_metadata=metadata,
-    )  # fmt: skip
+    )
 
 
 def train(cfg: TrainConfig, run_dir: Path) -> None:

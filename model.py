@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 from errors import UsageError
 
-
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "matmul")
 
 

@@ -52,7 +52,7 @@ class OptimizerConfig:
         if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
             # Otherwise the schedule would warm up to the peak and then drop straight to min_lr, with no decay.
             raise UsageError(f"optimizer_config.decay_steps ({self.decay_steps}) must be larger than "
-                             f"optimizer_config.warmup_steps ({self.warmup_steps}), or null")  # fmt: skip
+                             f"optimizer_config.warmup_steps ({self.warmup_steps}), or null")
         if not 0.0 <= self.min_lr <= self.learning_rate:
             raise UsageError(
                 f"optimizer_config.min_lr must be in [0, learning_rate={self.learning_rate}], got {self.min_lr}"

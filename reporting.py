@@ -63,7 +63,7 @@ class MetricsLog:
     TENSORBOARD_TAGS = {
         "train_loss": "loss/train", "val_loss": "loss/val", "lr": "lr", "tokens_per_s": "throughput/tokens_per_s",
         "ms_per_step": "throughput/ms_per_step", "grad_norm": "grad_norm", "loss_scale": "loss_scale",
-    }  # fmt: skip
+    }
 
     def __init__(self, run_dir: Optional[Path], enabled: bool) -> None:
         self.path = run_dir / METRICS_FILE if (run_dir is not None and enabled) else None
@@ -136,11 +136,11 @@ def report_end(metrics: MetricsLog, digests: list[str], rank: int, **summary) ->
         log.info("stopped at step %d after %.1f s; run the same command again to continue", summary["steps"], wall)
     else:
         log.info("done: %d steps in %.1f s; weights identical on all %d rank(s), sha256 %s", summary["steps"], wall,
-                 len(digests), digest[:16])  # fmt: skip
+                 len(digests), digest[:16])
     if metrics.path is not None:
         summary = {**summary, "weights_sha256": digest, "rank_weights_sha256": digests, "replicas_identical": identical}
         order = ("steps", "epochs_completed", "finished", "val_loss", "weights_sha256", "rank_weights_sha256",
-                 "replicas_identical", "wall_time_s", "world_size")  # fmt: skip
+                 "replicas_identical", "wall_time_s", "world_size")
         text = json.dumps({key: summary[key] for key in order}, indent=2) + "\n"
         (metrics.path.parent / SUMMARY_FILE).write_text(text)
 

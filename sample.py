@@ -100,7 +100,7 @@ def _brief(error: BaseException) -> str:
 def generate_text(
     model: GPT, vocab: CharVocab, prompt: str, max_new_tokens: int, temperature: float, top_k: Optional[int],
     generator: torch.Generator,
-) -> str:  # fmt: skip
+) -> str:
     """The prompt followed by `max_new_tokens` sampled characters."""
     if not prompt:
         raise UsageError("the prompt is empty")

@@ -53,7 +53,7 @@ NAME_PATTERN = re.compile(r"^snapshot-(\d{9})\.pt$")
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "bias", "vocab_size", "block_size")
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "progress", "model_config", "vocab", "integrity_sha256")
 REQUIRED_TYPES = {"format_version": int, "model": dict, "optimizer": dict, "progress": dict, "model_config": dict,
-                  "vocab": str, "integrity_sha256": str}  # fmt: skip
+                  "vocab": str, "integrity_sha256": str}
 
 # A save that fails is tried again: a store that is briefly unreachable (an S3 endpoint restarting, a network blip)
 # should not cost a snapshot, and one that stays down must not hold up the run for long either (the next periodic
@@ -62,7 +62,7 @@ SAVE_ATTEMPTS = 4
 SAVE_FIRST_BACKOFF_S = 1.0
 # Errors another attempt cannot fix: fail the save at once instead of retrying into the same wall.
 PERMANENT_ERRNOS = frozenset({errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG,
-                              errno.ENOTDIR, errno.EISDIR})  # fmt: skip
+                              errno.ENOTDIR, errno.EISDIR})
 # botocore's default ("legacy", 5 attempts, backoff up to 8 s) spends ~10 s on every request to an endpoint that
 # refuses connections, and s3fs probes a bucket with two requests: a store that is down at start took 20 s to
 # report. Our own retries cover whole saves, so each request gets fewer attempts (unless the user chose otherwise);
@@ -311,7 +311,7 @@ class SnapshotStore:
             for upload in page.get("Uploads") or []:
                 if NAME_PATTERN.match(upload["Key"][len(prefix):]):
                     self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"],
-                                    UploadId=upload["UploadId"])  # fmt: skip
+                                    UploadId=upload["UploadId"])
                     aborted.append(upload["Key"])
             if not page.get("IsTruncated"):
                 return aborted
@@ -326,7 +326,7 @@ class SnapshotStore:
             if level < logging.WARNING or not self._upload_cleanup_warned:
                 self._upload_cleanup_warned |= level >= logging.WARNING
                 log.log(level, "incomplete uploads in %s not aborted (%s); tried again after the next save",
-                        self.location, describe(e))  # fmt: skip
+                        self.location, describe(e))
             return []
 
     @staticmethod
@@ -434,10 +434,10 @@ def read_with_retries(what: str, read: Callable[[], T]) -> T:
     ...)`. FileNotFoundError is left to the caller (nothing there is an answer, not a failure)."""
     start = time.perf_counter()
     result, attempts, failure = with_retries(read, what, interrupted=_sleep,
-                                             passthrough=(FileNotFoundError, UsageError))  # fmt: skip
+                                             passthrough=(FileNotFoundError, UsageError))
     if failure is not None:
         raise UsageError(f"{what} ({attempts} attempt(s) in {time.perf_counter() - start:.1f} s, "
-                         f"last error {failure})")  # fmt: skip
+                         f"last error {failure})")
     return result
 
 
@@ -517,13 +517,13 @@ class BackgroundWriter:
         if failure is not None:
             kept = f"{self.newest_saved} stays the newest" if self.newest_saved else "older snapshots are unchanged"
             self._fail(f"snapshot {url} not saved ({attempts} attempt(s) in {time.perf_counter() - start:.1f} s, "
-                       f"last error {failure}); {kept}")  # fmt: skip
+                       f"last error {failure}); {kept}")
             return
         self._error = None
         self.newest_saved = name
         retried = f", {attempts} attempts" if attempts > 1 else ""
         log.info("snapshot %s saved (%s, %.2f s in the background%s)%s", url, reason,
-                 time.perf_counter() - start, retried, self._prune())  # fmt: skip
+                 time.perf_counter() - start, retried, self._prune())
 
     def _fail(self, message: str) -> None:
         """One line, no traceback: the run goes on with the previous snapshot; wait() turns it into an error."""
@@ -533,7 +533,7 @@ class BackgroundWriter:
     def _store_with_retries(self, name: str, data: bytes) -> tuple[int, Optional[str]]:
         """Write with exponential backoff. Returns (attempts made, None or the last error in one line)."""
         _, attempts, failure = with_retries(lambda: self.store.write(name, data), f"snapshot {self.store.url(name)}",
-                                            interrupted=self._given_up)  # fmt: skip
+                                            interrupted=self._given_up)
         return attempts, failure
 
     def _given_up(self, delay: float) -> Optional[str]:

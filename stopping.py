@@ -86,7 +86,7 @@ class StopRequest:
     after `before_exit` (which finishes a snapshot being written). `group` None: a process on its own."""
 
     def __init__(self, rank: int, device: torch.device, group: Optional[dist.ProcessGroup], timeout_s: float,
-                 before_exit: Callable[[], None]) -> None:  # fmt: skip
+                 before_exit: Callable[[], None]) -> None:
         self.rank, self.timeout_s, self.before_exit = rank, timeout_s, before_exit
         self.signal: Optional[int] = None
         self._vote = StopVote(device, group) if group is not None else None
@@ -163,7 +163,7 @@ class StopDeadline:
             return
         log.error("[rank %d] SIGTERM: could not agree with the other ranks to stop within %.0f s (trainer_config."
                   "stop_timeout_s; a peer is gone or stuck): leaving without a new snapshot, the last one stays",
-                  self.rank, self.timeout_s)  # fmt: skip
+                  self.rank, self.timeout_s)
         self.before_exit()
         exit_now(128 + signal.SIGTERM)
 

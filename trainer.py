@@ -101,7 +101,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         positive = ("max_epochs", "batch_size", "grad_accum_steps", "log_every_steps", "save_every", "keep_last",
-                    "stop_timeout_s")  # fmt: skip
+                    "stop_timeout_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UsageError(f"trainer_config.{name} must be positive, got {getattr(self, name)}")
@@ -116,7 +116,9 @@ class TrainerConfig:
         if self.snapshot_storage_options is not None and not isinstance(self.snapshot_storage_options, dict):
             raise UsageError("trainer_config.snapshot_storage_options must be a mapping, e.g. {key: value}, or null")
         if self.progress not in PROGRESS_MODES:
-            raise UsageError(f"trainer_config.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
+            raise UsageError(
+                f"trainer_config.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}"
+            )
         if self.mixed_precision not in PRECISIONS:
             raise UsageError(
                 f"trainer_config.mixed_precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}"
@@ -133,7 +135,7 @@ def resolve_precision(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise UsageError(f"mixed_precision=bf16 is not supported on {torch.cuda.get_device_name(device)} "
-                         f"(no bf16 tensor cores, only slow emulation); use fp16 or auto")  # fmt: skip
+                         f"(no bf16 tensor cores, only slow emulation); use fp16 or auto")
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
@@ -209,7 +211,7 @@ def wrap_model(model: nn.Module, cfg: TrainerConfig, ctx: DistContext) -> tuple[
     # broadcast per forward pass. gradient_as_bucket_view=True: gradients live inside the all-reduce buckets
     # (no copy, less memory).
     ddp = DDP(compiled, device_ids=device_ids, forward_sync_buffers=False, gradient_as_bucket_view=True,
-              process_group=ctx.group, **bucket_options)  # fmt: skip
+              process_group=ctx.group, **bucket_options)
     if shm_reducer is not None:
         ddp.register_comm_hook(shm_reducer, shared_memory_allreduce_hook)
     return compiled, ddp, ddp
@@ -243,7 +245,7 @@ def compile_model(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def make_loader(dataset: Dataset, sampler, batch_size: int, drop_last: bool, cfg: TrainerConfig,
-                device: torch.device) -> DataLoader:  # fmt: skip
+                device: torch.device) -> DataLoader:
     # The loader gets its own generator: iter(DataLoader) draws a base seed from it, and would otherwise draw
     # from the global RNG and shift the dropout stream.
     return DataLoader(
@@ -258,7 +260,7 @@ def make_loader(dataset: Dataset, sampler, batch_size: int, drop_last: bool, cfg
 
 
 def prime_ddp_buckets(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
-                      autocast: Callable[[], contextlib.AbstractContextManager], device: torch.device) -> None:  # fmt: skip
+                      autocast: Callable[[], contextlib.AbstractContextManager], device: torch.device) -> None:
     """One throw-away forward/backward before training, in fresh and resumed runs alike.
 
     DDP rebuilds its gradient buckets after its first backward pass, in the order gradients became ready. If that
@@ -288,7 +290,7 @@ def seed_dropout(seed: int, step: int, rank: int, device: torch.device) -> None:
 
 @torch.no_grad()
 def validation_loss(model: nn.Module, loader: DataLoader, max_batches: Optional[int], ctx: DistContext,
-                    split: Callable, autocast: Callable[[], contextlib.AbstractContextManager]) -> float:  # fmt: skip
+                    split: Callable, autocast: Callable[[], contextlib.AbstractContextManager]) -> float:
     """Collective. Mean per-character loss over the validation windows of all ranks (at most `max_batches` batches
     per rank)."""
     model.eval()
@@ -322,11 +324,11 @@ class ScalerState:
         if self.scaler.is_enabled() and not state:
             if self.ctx.is_main:  # other ranks log warnings too: one line for the job, not one per process
                 log.warning("snapshot has no fp16 gradient-scaler state (it was trained in bf16 or fp32): starting a "
-                            "fresh scaler, loss scale %g", self.scaler.get_scale())  # fmt: skip
+                            "fresh scaler, loss scale %g", self.scaler.get_scale())
             return
         if not self.scaler.is_enabled() and state:
             log.info("snapshot was trained in fp16: its loss scale (%g) is not needed in %s", state.get("scale", 0.0),
-                     str(self.amp_dtype).removeprefix("torch."))  # fmt: skip
+                     str(self.amp_dtype).removeprefix("torch."))
             return
         self.scaler.load_state_dict(state)
 
@@ -422,7 +424,7 @@ class Trainer:
             snapshots, snapshot_metadata or {}, Cadence(cfg.save_every, cfg.save_every_steps, cfg.keep_last), ctx,
             {"model": model, "optimizer": optimizer, "scaler": ScalerState(self.scaler, self.amp_dtype, ctx),
              "progress": self, "loss_window": self.window},
-        )  # fmt: skip
+        )
         self.stop = StopRequest(ctx.rank, ctx.device, ctx.group, cfg.stop_timeout_s, self.checkpoints.finish_quietly)
         self.progress = Progress("off", False, 0, 0)
         self._fit_start = time.perf_counter()
@@ -441,7 +443,7 @@ class Trainer:
         own_val_windows = range(ctx.rank, len(val_data), ctx.world_size)  # disjoint across ranks, no padding
         # Without gradients a window needs a fraction of the memory: evaluate EVAL_BATCH_FACTOR x larger batches.
         self.val_loader = make_loader(val_data, own_val_windows, cfg.batch_size * EVAL_BATCH_FACTOR, False, cfg,
-                                      ctx.device)  # fmt: skip
+                                      ctx.device)
         self.global_batch = cfg.batch_size * cfg.grad_accum_steps * ctx.world_size  # windows per optimizer step
         self.tokens_per_step = self.global_batch * train_data[0][0].numel()
         self.steps_per_epoch = self.n_train // self.global_batch
@@ -511,10 +513,10 @@ class Trainer:
         restored = self.checkpoints.restore()
         if restored is not None:
             log.info("resumed from %s: step %d, epoch %d, sample %d of the epoch", restored.url, self.step,
-                     self.epoch, self.epoch_samples)  # fmt: skip
+                     self.epoch, self.epoch_samples)
             if restored.world_size != self.ctx.world_size and self.ctx.is_main:  # one line for the job
                 log.warning("snapshot was written by %d process(es), resuming with %d: continuing at global sample "
-                            "%d of epoch %d", restored.world_size, self.ctx.world_size, self.epoch_samples, self.epoch)  # fmt: skip
+                            "%d of epoch %d", restored.world_size, self.ctx.world_size, self.epoch_samples, self.epoch)
         else:
             self.window.reset(self.step)
         self.window.restart_clock(self.step)  # speed counts this process's steps from here
@@ -522,12 +524,12 @@ class Trainer:
             log.info("nothing to train: the snapshot in %s is at step %d, the end of this run (max_steps=%s, "
                      "max_epochs=%d). To continue it, raise trainer_config.max_steps or trainer_config.max_epochs; to "
                      "start afresh, use another trainer_config.snapshot_path", self.checkpoints.location, self.step,
-                     self.cfg.max_steps, self.cfg.max_epochs)  # fmt: skip
+                     self.cfg.max_steps, self.cfg.max_epochs)
         else:
             log.info("training: steps %d -> %d (%d per epoch, %d epochs max), %d process(es) on %s, %s, %s tokens per "
                      "step", self.step, self.total_steps, self.steps_per_epoch, self.cfg.max_epochs,
                      self.ctx.world_size, self.ctx.device.type, str(self.amp_dtype).removeprefix("torch."),
-                     f"{self.tokens_per_step:,}")  # fmt: skip
+                     f"{self.tokens_per_step:,}")
 
     def train_step(self) -> None:
         """One optimizer step on the next batches of the epoch (bench.py times exactly this)."""
@@ -549,7 +551,7 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         if self.cfg.grad_norm_clip > 0:
             self.window.grad_norm = nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.grad_norm_clip,
-                                                             foreach=True)  # fmt: skip
+                                                             foreach=True)
         self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -584,7 +586,7 @@ class Trainer:
     def state_dict(self) -> dict:
         """The trainer's own part of a snapshot: where training is."""
         return {"step": self.step, "epoch": self.epoch, "epoch_samples": self.epoch_samples,
-                "val_loss": self.last_val_loss, "last_eval_step": self._last_eval_step}  # fmt: skip
+                "val_loss": self.last_val_loss, "last_eval_step": self._last_eval_step}
 
     def load_state_dict(self, progress: dict) -> None:
         self.step, self.epoch, self.epoch_samples = progress["step"], progress["epoch"], progress["epoch_samples"]
@@ -609,7 +611,7 @@ class Trainer:
             row["loss_scale"] = self.scaler.get_scale()
         self.metrics.write(row)
         line = (f"step {self.step}/{self.total_steps} | epoch {self.epoch} | loss {train_loss:.4f} | "
-                f"lr {self._last_lr:.2e} | {tokens_per_s:,.0f} tok/s | {row['ms_per_step']:.1f} ms/step")  # fmt: skip
+                f"lr {self._last_lr:.2e} | {tokens_per_s:,.0f} tok/s | {row['ms_per_step']:.1f} ms/step")
         self.progress.report(line, train_loss, tokens_per_s, self._last_lr)
         self.window.reset(self.step)
 
@@ -617,12 +619,12 @@ class Trainer:
         """Collective. The validation loss, recorded, logged and written as a metrics row."""
         start = time.perf_counter()
         self.last_val_loss = validation_loss(self.eval_model, self.val_loader, self.cfg.eval_batches, self.ctx,
-                                             self.split, self.autocast)  # fmt: skip
+                                             self.split, self.autocast)
         self._last_eval_step = self.step
         self.metrics.write({"step": self.step, "epoch": self.epoch, "val_loss": round(self.last_val_loss, 6),
-                            "elapsed_s": round(time.perf_counter() - self._fit_start, 2)})  # fmt: skip
+                            "elapsed_s": round(time.perf_counter() - self._fit_start, 2)})
         log.info("step %d | epoch %d | val loss %.4f (%.1f s)", self.step, self.epoch, self.last_val_loss,
-                 time.perf_counter() - start)  # fmt: skip
+                 time.perf_counter() - start)
         self.window.exclude(time.perf_counter() - start)  # evaluation time does not count against tokens/s
         return self.last_val_loss
 

@@ -83,7 +83,7 @@ def start_cli(args: list[str], tmp_path: Path, nproc: int, max_restarts: int = 0
     return subprocess.Popen(
         [*launcher, str(PROJECT_DIR / "main.py"), *own_snapshots(tmp_path), *args], cwd=tmp_path, env=env,
         stdout=(tmp_path / log_name).open("w"), stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    )
 
 
 def child_pids(pid: int) -> list[int]:

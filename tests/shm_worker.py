@@ -28,7 +28,7 @@ def exercise(reducer: SharedMemoryAllReduce, rank: int, world: int) -> dict:
     means_exact, same_bits = True, True
     for step in range(5):  # more than two reductions: both halves of every file are reused
         everyone = [torch.randn(N, generator=torch.Generator().manual_seed(100 * step + r)) * (r + 1)
-                    for r in range(world)]  # fmt: skip
+                    for r in range(world)]
         shares = [e / world for e in everyone]
         expected = sum(shares[1:], shares[0].clone())
         got = reducer.average(everyone[rank].clone())

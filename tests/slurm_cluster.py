@@ -62,7 +62,7 @@ class SlurmCluster:
         key.chmod(0o400)
         self._spawn("munged", [_binary("munged"), "--foreground", "--force", f"--socket={self.munge_socket}",
                                f"--pid-file={munge_dir / 'munged.pid'}", f"--log-file={munge_dir / 'munged.log'}",
-                               f"--seed-file={munge_dir / 'munged.seed'}", f"--key-file={key}"])  # fmt: skip
+                               f"--seed-file={munge_dir / 'munged.seed'}", f"--key-file={key}"])
         self._wait(lambda: self.munge_socket.exists(), timeout, "munged's socket")
         self._spawn("slurmctld", [_binary("slurmctld"), "-D", "-f", str(self.conf)])
         self._spawn("slurmd", [_binary("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
@@ -89,7 +89,7 @@ class SlurmCluster:
             cwd: Path | None = None) -> subprocess.CompletedProcess:
         """A SLURM client command against this cluster."""
         proc = subprocess.run([_binary(command), *args], env={**os.environ, **(env or {}), **self.env}, cwd=cwd,
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+                              capture_output=True, text=True, timeout=60)
         if check and proc.returncode != 0:
             raise RuntimeError(f"{command} {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
         return proc
@@ -157,7 +157,7 @@ class SlurmCluster:
             "TaskPlugin=task/none",
             "MpiDefault=none",
             "SchedulerType=sched/backfill",
-            "SchedulerParameters=sched_interval=2,bf_interval=1",  # a requeued job starts within seconds of its begin time
+            "SchedulerParameters=sched_interval=2,bf_interval=1",  # a requeued job starts soon after its begin time
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core",
             "ReturnToService=2",

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from conftest import PROJECT_DIR, PYTHON, TINY, TORCHRUN, free_port, subprocess_env
 
 import snapshot as snap
-from conftest import PROJECT_DIR, PYTHON, TINY, TORCHRUN, free_port, subprocess_env
 
 SNAPSHOTS = [snap.snapshot_name(5), snap.snapshot_name(10)]
 SHAKESPEARE = (PROJECT_DIR / "data" / "input.txt").read_text(encoding="utf-8")
@@ -38,7 +38,7 @@ def trained(tmp_path_factory) -> Path:
          "trainer_config.save_every_steps=5", "trainer_config.eval_every_steps=10", "trainer_config.eval_batches=1",
          f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={home / 'run'}"],
         cwd=home, env=subprocess_env(home), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in snaps.iterdir()) == SNAPSHOTS
     return snaps
@@ -86,7 +86,7 @@ def no_aws_credentials(d: Path) -> dict[str, str | None]:
     names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
     env: dict[str, str | None] = dict.fromkeys(names)
     env.update(AWS_SHARED_CREDENTIALS_FILE=str(d / "none"), AWS_CONFIG_FILE=str(d / "none"),
-               AWS_EC2_METADATA_DISABLED="true", AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}")  # fmt: skip
+               AWS_EC2_METADATA_DISABLED="true", AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}")
     return env
 
 
@@ -270,7 +270,7 @@ def command(case: Case, args: list[str], d: Path, snaps: Path) -> list[str]:
     launcher = [PYTHON] if case.tool == "main" else [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
     return [*launcher, str(PROJECT_DIR / "main.py"), *TINY, "trainer_config.max_steps=10",
             "trainer_config.progress=off", f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={d / 'run'}",
-            *args]  # fmt: skip
+            *args]
 
 
 def folder_contents(folder: Path) -> dict[str, bytes | dict]:
@@ -314,7 +314,7 @@ def run_case(name: str, trained: Path, d: Path) -> Outcome:
     cwd.mkdir()
     project_before = url_like_names(PROJECT_DIR)
     result = subprocess.run(command(case, args, d, snaps), cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
+                            timeout=300)
     return Outcome(result, snaps, before, d / "code-ran", cwd, project_before)
 
 
@@ -322,7 +322,7 @@ def run_case(name: str, trained: Path, d: Path) -> Outcome:
 def outcomes(request, trained, tmp_path_factory) -> dict[str, Future]:
     """The selected cases, run two at a time (each is mostly a process start-up on one core)."""
     selected = [item.callspec.params["name"] for item in request.session.items
-                if item.module.__name__ == __name__ and hasattr(item, "callspec")]  # fmt: skip
+                if item.module.__name__ == __name__ and hasattr(item, "callspec")]
     pool = ThreadPoolExecutor(max_workers=2)
     futures = {name: pool.submit(run_case, name, trained, tmp_path_factory.mktemp("case")) for name in selected}
     yield futures

@@ -22,7 +22,7 @@ def test_bench_single_process_with_snapshots_and_baseline(tmp_path):
         [sys.executable, str(PROJECT_DIR / "bench.py"), "--steps", "4", "--warmup", "1", "--snapshots", "2",
          "--baseline", "nanogpt", "--json", str(out), *TINY, f"trainer_config.snapshot_path={tmp_path / 'snaps'}"],
         cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert json.loads(proc.stdout) == result
@@ -41,7 +41,7 @@ def test_bench_under_torchrun_with_scaling(tmp_path):
         [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(PROJECT_DIR / "bench.py"), "--steps", "4",
          "--warmup", "1", "--scaling", *TINY],
         cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     check_result(result, world_size=2)

@@ -33,6 +33,6 @@ def test_chaos_ci(tmp_path):
 @pytest.mark.skipif(not os.environ.get("CHAOS_TRIALS"), reason="opt-in: set CHAOS_TRIALS=N")
 def test_chaos_many(tmp_path):
     result = chaos.run_chaos(trials=int(os.environ["CHAOS_TRIALS"]), seed=int(os.environ.get("CHAOS_SEED", "1")),
-                             nproc=2, workdir=tmp_path, kills=2)  # fmt: skip
+                             nproc=2, workdir=tmp_path, kills=2)
     print(chaos.table(result))
     _check(result)

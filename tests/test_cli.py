@@ -4,8 +4,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, run_cli
+
 from reporting import read_metrics
 
 

@@ -6,6 +6,7 @@ snapshot moves between them (attention is how the model computes, not its shape)
 """
 
 from conftest import TINY, run_cli
+
 from reporting import read_metrics
 
 

@@ -62,7 +62,7 @@ def test_required_keys_exist():
         "trainer_config.compile", "trainer_config.seed", "trainer_config.eval_every_steps",
         "trainer_config.log_every_steps", "trainer_config.data_loader_workers", "trainer_config.snapshot_path",
         "trainer_config.save_every",
-    ]:  # fmt: skip
+    ]:
         section, name = key.split(".")
         assert name in cfg[section], key
 

@@ -13,9 +13,9 @@ import subprocess
 
 import pytest
 import torch.distributed as dist
+from conftest import PROJECT_DIR, PYTHON, TINY, TORCHRUN, child_pids, free_port, logged_step, subprocess_env, wait_for
 
 import snapshot as snapshot_format
-from conftest import PROJECT_DIR, PYTHON, TINY, TORCHRUN, child_pids, free_port, logged_step, subprocess_env, wait_for
 from reporting import read_metrics
 
 BATCH = 8  # trainer_config.batch_size of TINY: global samples per step = BATCH x nodes
@@ -35,7 +35,7 @@ def elastic_agent(tmp_path, name, port, is_host, env, extra_args=(), max_restart
         "trainer_config.log_every_steps=1",
         "trainer_config.save_every_steps=4", "trainer_config.eval_every_steps=100000",
         f"trainer_config.snapshot_path={tmp_path / 'snaps'}", f"hydra.run.dir={tmp_path / 'run'}", *extra_args,
-    ]  # fmt: skip
+    ]
     log = (tmp_path / f"{name}.log").open("w")
     return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -73,7 +73,7 @@ def test_a_node_leaves_and_rejoins_with_the_exact_sample_position(tmp_path):
         b = elastic_agent(tmp_path, "b2", port, False, env)
         agents = [a, b]
         wait_for(lambda: (tmp_path / "a.log").read_text().count("closing signal SIGTERM") > sigterms, 120,
-                 what="a's agent stops its worker for the rejoining node")  # fmt: skip
+                 what="a's agent stops its worker for the rejoining node")
         os.kill(worker, signal.SIGCONT)
         codes = [a.wait(timeout=180), b.wait(timeout=60)]
     finally:
@@ -127,12 +127,12 @@ def fake_worker(tmp_path, rank, port, agent_store, group_rank=None):
     """main.py as a torchrun worker would start it, with no peers: the meeting must end in one line."""
     env = {**subprocess_env(tmp_path), "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": str(agent_store),
-           "GROUP_RANK": str(rank if group_rank is None else group_rank), "MINGPT_MEET_TIMEOUT_S": "3"}  # fmt: skip
+           "GROUP_RANK": str(rank if group_rank is None else group_rank), "MINGPT_MEET_TIMEOUT_S": "3"}
     return subprocess.run(
         [PYTHON, str(PROJECT_DIR / "main.py"), *TINY, f"trainer_config.snapshot_path={tmp_path / 'snaps'}",
          f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize(
@@ -152,7 +152,7 @@ def fake_worker(tmp_path, rank, port, agent_store, group_rank=None):
 def test_ranks_that_cannot_meet_stop_with_one_line(tmp_path, rank, agent_store, store, message):
     port = free_port()
     server = (dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=30),
-                            wait_for_workers=False) if store else None)  # fmt: skip
+                            wait_for_workers=False) if store else None)
     started = datetime.datetime.now()
     proc = fake_worker(tmp_path, rank, port, agent_store)
     took = (datetime.datetime.now() - started).total_seconds()

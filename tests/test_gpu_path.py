@@ -6,15 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import TINY, run_cli
 
 import bench
 from char_dataset import CharCorpus, DataConfig
-from conftest import TINY, run_cli
-from reporting import read_metrics
+from distributed import DistContext
 from errors import UsageError
 from model import GPT, GPTConfig
 from optim import OptimizerConfig, build_optimizer, learning_rate
-from distributed import DistContext
+from reporting import read_metrics
 from trainer import Trainer, TrainerConfig, resolve_precision
 
 CUDA = torch.device("cuda", 0)
@@ -55,7 +55,7 @@ def make_trainer(**trainer_kwargs) -> Trainer:
     opt_cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3)
     cfg = TrainerConfig(**{"mixed_precision": "fp32", "batch_size": 8, "max_steps": 4, **trainer_kwargs})
     return Trainer(cfg, model, build_optimizer(model, opt_cfg), lambda step, total: learning_rate(step, opt_cfg, total),
-                   corpus.train_dataset(), corpus.val_dataset(), DistContext())  # fmt: skip
+                   corpus.train_dataset(), corpus.val_dataset(), DistContext())
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -90,7 +90,7 @@ def test_data_loader_workers_train_the_same_weights():
 def precision_run(tmp_path, precision: str, max_steps: int, run: str):
     args = [*TINY, f"trainer_config.max_steps={max_steps}", "trainer_config.eval_every_steps=10",
             "trainer_config.eval_batches=2", f"trainer_config.mixed_precision={precision}",
-            f"hydra.run.dir={tmp_path / run}"]  # fmt: skip
+            f"hydra.run.dir={tmp_path / run}"]
     proc = run_cli(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr, read_metrics(tmp_path / run)
@@ -109,7 +109,7 @@ def test_fp16_resumes_a_fp32_snapshot_with_a_fresh_scaler(tmp_path):
 
 
 @pytest.mark.parametrize("saved, resumed", [("fp32", "fp16"), ("bf16", "fp16"), ("fp16", "fp32"), ("fp16", "bf16"),
-                                            ("fp16", "fp16")])  # fmt: skip
+                                            ("fp16", "fp16")])
 def test_scaler_state_across_precisions(saved, resumed, caplog):
     """In process, every direction: a scaler only where fp16 trains; its state carried over only fp16 -> fp16."""
     before = make_trainer(mixed_precision=saved)

@@ -8,13 +8,14 @@ import signal
 import time
 from pathlib import Path
 
-import snapshot as snap
 from conftest import TINY, child_pids, logged_step, run_cli, start_cli, wait_for
+
+import snapshot as snap
 
 
 def job_args(snaps: Path, run_dir: Path, max_steps: int, every: int = 10) -> list[str]:
     return [*TINY, f"trainer_config.max_steps={max_steps}", f"trainer_config.save_every_steps={every}",
-            f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+            f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}"]
 
 
 def alive(pid: int) -> bool:
@@ -100,7 +101,7 @@ def test_one_rank_failing_ends_every_rank_within_seconds_with_one_report(tmp_pat
     log_path = tmp_path / "launch.log"
     try:
         wait_for(lambda: "IsADirectoryError" in log_path.read_text() or job.poll() is not None, timeout=120,
-                 what="rank 0's failure")  # fmt: skip
+                 what="rank 0's failure")
         failed_at = time.monotonic()
         code = job.wait(timeout=60)
         ended_after = time.monotonic() - failed_at

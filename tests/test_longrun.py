@@ -9,6 +9,7 @@ import subprocess
 import time
 
 from conftest import PROJECT_DIR, PYTHON, subprocess_env
+
 from reporting import read_metrics
 
 STEPS, SAVE_EVERY, KEEP_LAST, LOG_EVERY, EVAL_EVERY = 3000, 25, 2, 100, 400
@@ -38,11 +39,11 @@ def test_long_run_keeps_memory_flat_and_keep_last_snapshots(tmp_path):
         "trainer_config.eval_batches=2", f"trainer_config.save_every_steps={SAVE_EVERY}",
         f"trainer_config.keep_last={KEEP_LAST}", "trainer_config.mixed_precision=fp32", "trainer_config.progress=lines",
         f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}",
-    ]  # fmt: skip
+    ]
     env = subprocess_env(tmp_path)
     env["OMP_NUM_THREADS"] = "1"
     job = subprocess.Popen([PYTHON, str(PROJECT_DIR / "main.py"), *args], cwd=tmp_path, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rss, most_snapshots, last_step, samples = {}, 0, 0, []
     try:
         while job.poll() is None:
@@ -65,8 +66,8 @@ def test_long_run_keeps_memory_flat_and_keep_last_snapshots(tmp_path):
     (warm_step, warm_kb), (late_step, late_kb) = rss[WARM], rss[LATE]
     growth = late_kb - warm_kb
     print(f"RSS at step {warm_step}: {warm_kb} kB, at step {late_step}: {late_kb} kB, growth {growth} kB; "
-          f"most snapshots seen: {most_snapshots}; (step, kB): {samples}")  # fmt: skip
+          f"most snapshots seen: {most_snapshots}; (step, kB): {samples}")
     assert growth < MAX_GROWTH_KB, f"RSS grew {growth} kB between steps {warm_step} and {late_step}"
     assert sorted(p.name for p in snaps.iterdir()) == [f"snapshot-{STEPS - SAVE_EVERY:09d}.pt",
-                                                      f"snapshot-{STEPS:09d}.pt"]  # fmt: skip
+                                                      f"snapshot-{STEPS:09d}.pt"]
     assert 0 < most_snapshots <= KEEP_LAST + 1

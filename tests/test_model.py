@@ -10,7 +10,7 @@ from model import GPT, GPTConfig, causal_attention_matmul, causal_attention_sdpa
 def tiny_gpt(dropout: float = 0.0, vocab_size: int = 65, block_size: int = 16, attention: str = "sdpa") -> GPT:
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, dropout=dropout, vocab_size=vocab_size, block_size=block_size,
-                    attention=attention)  # fmt: skip
+                    attention=attention)
     return GPT(cfg)
 
 

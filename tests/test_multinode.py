@@ -17,7 +17,7 @@ def test_two_nodes_train_to_the_end_with_identical_weights(tmp_path):
             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes",
             str(PROJECT_DIR / "main.py"), *TINY, "trainer_config.max_steps=30", "trainer_config.save_every_steps=1000",
             f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}",
-        ]  # fmt: skip
+        ]
         log = (tmp_path / f"node{node_rank}.log").open("w")
         agents.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
     codes = [agent.wait(timeout=240) for agent in agents]

@@ -34,7 +34,7 @@ def test_optimizer_groups_and_fused_kernel_match_reference_adamw():
     assert opt.defaults["fused"] is True and opt.defaults["betas"] == (0.9, 0.95)
     # The fused CPU kernel must be the same AdamW as PyTorch's plain for-loop implementation.
     ref_opt = torch.optim.AdamW(reference.param_groups(cfg.weight_decay), lr=cfg.learning_rate,
-                                betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)  # fmt: skip
+                                betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
     idx = torch.randint(0, 10, (3, 4))
     for model, optimizer in ((gpt, opt), (reference, ref_opt)):
         for _ in range(3):

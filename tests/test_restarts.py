@@ -8,6 +8,7 @@ import signal
 import subprocess
 
 from conftest import PROJECT_DIR, TINY, TORCHRUN, child_pids, subprocess_env, wait_for
+
 from reporting import read_metrics
 
 KILLS = 10
@@ -17,11 +18,11 @@ def test_ten_sigkilled_workers_in_a_row_all_come_back(tmp_path):
     snaps, run_dir = tmp_path / "snaps", tmp_path / "run"
     args = [*TINY, "trainer_config.max_steps=100000", "trainer_config.log_every_steps=1",
             "trainer_config.save_every_steps=2", "trainer_config.eval_every_steps=100000",
-            f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+            f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}"]
     env = subprocess_env(tmp_path)
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # as users type it
     command = [*TORCHRUN, "--standalone", "--nproc_per_node=2", f"--max-restarts={KILLS}",
-               str(PROJECT_DIR / "main.py"), *args]  # fmt: skip
+               str(PROJECT_DIR / "main.py"), *args]
     log_path = tmp_path / "launch.log"
     with log_path.open("w") as log:
         job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)

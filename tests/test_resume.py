@@ -6,8 +6,9 @@ import os
 import signal
 from pathlib import Path
 
-import snapshot as snap
 from conftest import TINY, child_pids, logged_step, run_cli, start_cli, wait_for
+
+import snapshot as snap
 from reporting import read_metrics
 
 

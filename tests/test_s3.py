@@ -9,9 +9,9 @@ import sys
 
 import boto3
 import pytest
+from conftest import PROJECT_DIR, TINY, child_pids, free_port, logged_step, run_cli, start_cli, wait_for
 
 import snapshot as snap
-from conftest import PROJECT_DIR, TINY, child_pids, free_port, logged_step, run_cli, start_cli, wait_for
 
 moto_server = pytest.importorskip("moto.server")
 

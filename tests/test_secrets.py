@@ -14,10 +14,10 @@ from pathlib import Path
 
 import boto3
 import pytest
-
-import snapshot as snap
 from conftest import PROJECT_DIR, PYTHON, TINY, free_port, run_cli, subprocess_env
 from test_snapshot import make_snapshot
+
+import snapshot as snap
 
 moto_server = pytest.importorskip("moto.server")
 
@@ -39,7 +39,7 @@ def files_under(folder: Path) -> dict[str, bytes]:
 
 def short_run(snapshot_path: str, run_dir: Path) -> list[str]:
     return [*TINY, "trainer_config.max_steps=5", "trainer_config.eval_every_steps=5", "trainer_config.eval_batches=1",
-            f"trainer_config.snapshot_path={snapshot_path}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+            f"trainer_config.snapshot_path={snapshot_path}", f"hydra.run.dir={run_dir}"]
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def env_credentials(monkeypatch):
     host, port = server.get_host_and_port()
     values = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": ENV_KEY_ID,
               "AWS_SECRET_ACCESS_KEY": ENV_SECRET, "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
-              "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+              "AWS_EC2_METADATA_DISABLED": "true"}
     for key, value in values.items():
         monkeypatch.setenv(key, value)
     try:
@@ -66,15 +66,15 @@ def test_environment_credentials_are_not_written_anywhere(tmp_path, env_credenti
     result = run_cli(short_run("s3://envcreds/r/", run_dir), tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     info = subprocess.run([PYTHON, str(PROJECT_DIR / "snapshot.py"), "info", "s3://envcreds/r/snapshot-000000005.pt"],
-                          capture_output=True, timeout=120)  # fmt: skip
+                          capture_output=True, timeout=120)
     assert info.returncode == 0, info.stderr
     objects = {o["Key"]: s3.get_object(Bucket="envcreds", Key=o["Key"])["Body"].read()
-               for o in s3.list_objects_v2(Bucket="envcreds").get("Contents", [])}  # fmt: skip
+               for o in s3.list_objects_v2(Bucket="envcreds").get("Contents", [])}
     assert list(objects) == ["r/snapshot-000000005.pt"]
     assert_nowhere((ENV_KEY_ID, ENV_SECRET), {
         "stdout": result.stdout.encode(), "stderr": result.stderr.encode(),
         "snapshot.py info": info.stdout + info.stderr, **files_under(run_dir), **objects,
-    })  # fmt: skip
+    })
 
 
 def test_storage_options_and_environment_credentials_stay_out_of_a_local_run(tmp_path, monkeypatch):
@@ -89,7 +89,7 @@ def test_storage_options_and_environment_credentials_stay_out_of_a_local_run(tmp
     assert_nowhere((ENV_KEY_ID, ENV_SECRET, *OPTION_SECRETS), {
         "stdout": result.stdout.encode(), "stderr": result.stderr.encode(),
         **files_under(run_dir), **files_under(snaps),
-    })  # fmt: skip
+    })
     saved = snap.from_bytes((snaps / snap.snapshot_name(5)).read_bytes(), "local")
     assert saved["train_config"]["trainer_config"]["snapshot_storage_options"] == {"password": "***", "token": "***"}
 
@@ -102,12 +102,12 @@ def test_a_sweep_does_not_save_storage_options_in_multirun_yaml(tmp_path):
         [PYTHON, str(PROJECT_DIR / "main.py"), "-m", "data_config.path=no-such-file.txt", f"hydra.sweep.dir={sweep}",
          f"trainer_config.snapshot_storage_options={{password:'{password}',token:'{token}'}}"],
         cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    )
     assert result.returncode == 2 and "data file not found" in result.stderr, result.stderr[-3000:]
     assert (sweep / "multirun.yaml").exists() and (sweep / "0" / ".hydra" / "overrides.yaml").exists()
     assert "***" in (sweep / "multirun.yaml").read_text()
     assert_nowhere(OPTION_SECRETS, {"stdout": result.stdout.encode(), "stderr": result.stderr.encode(),
-                                    **files_under(sweep)})  # fmt: skip
+                                    **files_under(sweep)})
 
 
 def test_a_crash_does_not_echo_the_overrides(tmp_path):
@@ -123,11 +123,11 @@ def test_a_crash_does_not_echo_the_overrides(tmp_path):
         [PYTHON, "-c", crash, str(PROJECT_DIR), *short_run(str(tmp_path / "snaps"), tmp_path / "run"),
          f"trainer_config.snapshot_storage_options={{password:'{password}',token:'{token}'}}"],
         cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" in result.stderr and "RuntimeError: a bug" in result.stderr
     assert_nowhere(OPTION_SECRETS, {"stdout": result.stdout.encode(), "stderr": result.stderr.encode(),
-                                    **files_under(tmp_path / "run")})  # fmt: skip
+                                    **files_under(tmp_path / "run")})
 
 
 class WritesMarker:

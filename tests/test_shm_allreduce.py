@@ -5,6 +5,7 @@ import os
 import subprocess
 
 from conftest import PROJECT_DIR, TINY, TORCHRUN, run_cli, subprocess_env
+
 from reporting import read_metrics
 
 
@@ -12,9 +13,9 @@ def test_three_processes_average_exactly_or_fall_back_together_and_leave_no_file
     shm_dir, out = tmp_path / "shm", tmp_path / "result.json"
     shm_dir.mkdir()
     cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=3", str(PROJECT_DIR / "tests" / "shm_worker.py"),
-           str(shm_dir), str(out)]  # fmt: skip
+           str(shm_dir), str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True,
-                          timeout=180)  # fmt: skip
+                          timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
 
@@ -34,7 +35,7 @@ def test_training_through_shared_memory_equals_gloo_bit_for_bit(tmp_path):
     for shm in ("true", "false"):
         args = [*TINY, "trainer_config.max_steps=16", "trainer_config.log_every_steps=2",
                 f"trainer_config.shared_memory_allreduce={shm}", f"hydra.run.dir={tmp_path / ('run_' + shm)}",
-                f"trainer_config.snapshot_path={tmp_path / ('snaps_' + shm)}"]  # fmt: skip
+                f"trainer_config.snapshot_path={tmp_path / ('snaps_' + shm)}"]
         proc = run_cli(args, tmp_path, nproc=2)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[shm] = proc.stdout + proc.stderr
@@ -47,6 +48,6 @@ def test_training_through_shared_memory_equals_gloo_bit_for_bit(tmp_path):
 
     assert numbers("true") == numbers("false")
     sha = [line.split("sha256 ")[1].split()[0] for line in (runs["true"], runs["false"]) for line in line.splitlines()
-           if "weights identical on all 2 rank(s)" in line]  # fmt: skip
+           if "weights identical on all 2 rank(s)" in line]
     assert len(sha) == 2 and sha[0] == sha[1]
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("mingpt-")]

@@ -13,14 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import PROJECT_DIR, TINY, subprocess_env, wait_for
 
 import snapshot
-from conftest import PROJECT_DIR, TINY, subprocess_env, wait_for
 
 # ~45 s of training on 2 cores: longer than a 1-minute job runs before its early signal (below)
 STEPS = 4000
 TRAINING = [*TINY, f"trainer_config.max_steps={STEPS}", "trainer_config.max_epochs=100",
-            "trainer_config.log_every_steps=500", "trainer_config.eval_every_steps=1000"]  # fmt: skip
+            "trainer_config.log_every_steps=500", "trainer_config.eval_every_steps=1000"]
 # A 1-minute time limit with SIGUSR1 50 s before it: SLURM checks time limits every 30 s, so the signal comes 10 to
 # 40 s after the start, and each allocation trains for a part of the run.
 TIME_LIMITED = ["--time=1", "--signal=B:USR1@50"]
@@ -38,11 +38,11 @@ class Job:
         self.run_dir, self.snapshots = folder / "run", folder / "snapshots"
         env = subprocess_env(folder)
         env.update({"PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "PYTHON": sys.executable,
-                    "NPROC_PER_NODE": "2", "SNAPSHOT_PATH": str(self.snapshots), "RUN_DIR": str(self.run_dir)})  # fmt: skip
+                    "NPROC_PER_NODE": "2", "SNAPSHOT_PATH": str(self.snapshots), "RUN_DIR": str(self.run_dir)})
         self.id = cluster.sbatch(
             "--gpus-per-node=0", f"--output={self.output}", *sbatch_args, "slurm/sbatch_run.sh", *TRAINING,
             env=env, cwd=PROJECT_DIR,
-        )  # fmt: skip
+        )
 
     def wait(self, *states: str) -> dict[str, str]:
         return self.cluster.wait_for_job(self.id, set(states), JOB_TIMEOUT_S)
@@ -104,7 +104,7 @@ def test_a_preempted_job_requeues_itself_and_finishes(slurm_cluster, uninterrupt
     job.wait_until_training()
     wait_for(lambda: re.search(r"step 2500/", job.log()), 120, 0.2, "step 2500")
     urgent = slurm_cluster.sbatch("--partition=urgent", "--exclusive", f"--output={tmp_path / 'urgent.out'}",
-                                  "--wrap=echo urgent job ran", env=dict(os.environ), cwd=tmp_path)  # fmt: skip
+                                  "--wrap=echo urgent job ran", env=dict(os.environ), cwd=tmp_path)
     info = job.wait(*ENDED)
     log = job.log()
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log

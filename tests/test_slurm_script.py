@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PROJECT_DIR, wait_for
 
 SCRIPT = PROJECT_DIR / "slurm" / "sbatch_run.sh"
@@ -23,19 +22,19 @@ def start_script(tmp_path: Path, srun_body: str = "", **env_vars: str) -> subpro
     (stubs / "srun").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {tmp_path}/srun_args\n{srun_body}\n')
     # `scontrol show hostnames node-[a-b]`, written in one write(): the script reads its first line (`sed -n 1p`)
     (stubs / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol_calls\n'
-                                    '[[ $1 == show ]] || exit 0\nexec cat <<\'EOF\'\nnode-a\nnode-b\nEOF\n')  # fmt: skip
+                                    '[[ $1 == show ]] || exit 0\nexec cat <<\'EOF\'\nnode-a\nnode-b\nEOF\n')
     (stubs / "scancel").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/scancel_calls\n')
     for stub in stubs.iterdir():
         stub.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     for name in ("CUDA_VISIBLE_DEVICES", "NPROC_PER_NODE", "GPUS_PER_NODE", "NODES", "SNAPSHOT_PATH", "RUN_DIR",
-                 "MAX_REQUEUES", "PYTHON"):  # fmt: skip
+                 "MAX_REQUEUES", "PYTHON"):
         env.pop(name, None)
     env.update({"PATH": f"{stubs}:{env['PATH']}", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node-[a-b]",
-                "SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(tmp_path)})  # fmt: skip
+                "SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(tmp_path)})
     env.update(env_vars)
     return subprocess.Popen(["bash", str(SCRIPT), "trainer_config.max_epochs=3"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True)
 
 
 def run_script(tmp_path: Path, srun_body: str = "", **env_vars: str) -> tuple[subprocess.CompletedProcess, list | None]:
@@ -76,7 +75,7 @@ def test_workers_per_node_follow_the_allocation(tmp_path, env_vars, nproc):
         "--rdzv-backend=c10d", "--rdzv-endpoint=node-a:29500", "--rdzv-id=4242", "--max-restarts=3", "main.py",
         "trainer_config.snapshot_path=snapshots/slurm-mingpt-ddp", "hydra.run.dir=outputs/4242",
         "trainer_config.max_epochs=3",
-    ]  # fmt: skip
+    ]
     assert calls(tmp_path, "scontrol") == [] and calls(tmp_path, "scancel") == []  # it finished: no requeue
     assert f"nproc_per_node={nproc} " in proc.stdout
 

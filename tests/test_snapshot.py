@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
+from conftest import PROJECT_DIR
 
 import snapshot as snap
-from conftest import PROJECT_DIR
 from errors import UsageError
 from model import GPT, GPTConfig
 
@@ -185,8 +185,10 @@ def test_cli_info_and_list(tmp_path):
     original = make_snapshot(10)
     for step in (10, 20):
         store.write(snap.snapshot_name(step), snap.to_bytes(make_snapshot(step)))
-    run = lambda *args: subprocess.run([sys.executable, str(PROJECT_DIR / "snapshot.py"), *args],
-                                       capture_output=True, text=True, timeout=60)  # noqa: E731
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(PROJECT_DIR / "snapshot.py"), *args], capture_output=True,
+                              text=True, timeout=60)
+
     info = run("info", str(tmp_path / snap.snapshot_name(10)))
     assert info.returncode == 0, info.stderr
     summary = json.loads(info.stdout)
@@ -220,7 +222,7 @@ def test_cli_info_and_list(tmp_path):
     (" s3://bucket/run", r"is not a URL \(it does not start with PROTOCOL://\) nor a local path"),
     ("runs/a::b", r"a local path cannot contain '://' or '::'"),
     ("", r"location is empty"),
-])  # fmt: skip
+])
 def test_a_location_that_looks_like_a_url_is_one_or_an_error(location, error, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UsageError, match=error) as raised:
@@ -245,8 +247,10 @@ def test_valid_urls_and_local_paths_with_a_colon(tmp_path, monkeypatch):
 
 
 def test_cli_list_says_when_a_folder_is_missing_empty_or_a_file(tmp_path):
-    run = lambda *args: subprocess.run([sys.executable, str(PROJECT_DIR / "snapshot.py"), *args],
-                                       capture_output=True, text=True, timeout=60)  # noqa: E731
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(PROJECT_DIR / "snapshot.py"), *args], capture_output=True,
+                              text=True, timeout=60)
+
     missing = run("list", str(tmp_path / "nope"))
     assert missing.returncode == 2 and missing.stderr == f"error: no such snapshot folder: {tmp_path / 'nope'}\n"
     (tmp_path / "empty").mkdir()

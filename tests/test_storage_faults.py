@@ -23,9 +23,9 @@ import boto3
 import pytest
 import s3fs
 import torch
+from conftest import PROJECT_DIR, PYTHON, TINY, free_port, logged_step, subprocess_env, wait_for
 
 import snapshot as snap
-from conftest import PROJECT_DIR, PYTHON, TINY, free_port, logged_step, subprocess_env, wait_for
 from errors import UsageError
 
 moto_server = pytest.importorskip("moto.server")
@@ -93,7 +93,7 @@ def train_args(url: str, run_dir: Path, max_steps: int, save_every_steps: int, k
     return [*TINY, f"trainer_config.max_steps={max_steps}", f"trainer_config.save_every_steps={save_every_steps}",
             f"trainer_config.keep_last={keep_last}", "trainer_config.eval_every_steps=100",
             "trainer_config.progress=lines", f"trainer_config.snapshot_path={url}",
-            f"hydra.run.dir={run_dir}"]  # fmt: skip
+            f"hydra.run.dir={run_dir}"]
 
 
 def start_main(args: list[str], tmp_path: Path, name: str, max_file_bytes: int | None = None) -> subprocess.Popen:
@@ -109,7 +109,7 @@ def start_main(args: list[str], tmp_path: Path, name: str, max_file_bytes: int |
         [PYTHON, str(PROJECT_DIR / "main.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
         stdout=(tmp_path / f"{name}.out").open("w"), stderr=(tmp_path / f"{name}.err").open("w"), text=True,
         preexec_fn=limit_file_size if max_file_bytes else None,
-    )  # fmt: skip
+    )
 
 
 def finish(job: subprocess.Popen, tmp_path: Path, name: str, timeout: float = 300) -> tuple[int, str, list[str]]:
@@ -138,7 +138,7 @@ def log_text(tmp_path: Path, name: str) -> str:
 def tiny_state(step: int) -> tuple[dict, dict]:
     state = {"model": {"w": torch.full((4,), float(step))}, "optimizer": {}, "scaler": {},
              "progress": {"step": step, "epoch": 0, "epoch_samples": 0, "val_loss": None, "last_eval_step": 0},
-             "loss_window": {"sums": [0.0], "count": 0, "start_step": step}}  # fmt: skip
+             "loss_window": {"sums": [0.0], "count": 0, "start_step": step}}
     return state, {"model_config": {}, "vocab": "ab"}
 
 
@@ -157,7 +157,7 @@ def test_bounded_s3_request_retries_are_a_default_that_user_settings_override(mo
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     added = snap.with_default_retries("s3://b/run", {"client_kwargs": {"endpoint_url": "http://x"}})
     assert added == {"client_kwargs": {"endpoint_url": "http://x"},
-                     "config_kwargs": {"retries": snap.S3_DEFAULT_RETRIES}}  # fmt: skip
+                     "config_kwargs": {"retries": snap.S3_DEFAULT_RETRIES}}
     assert snap.with_default_retries(str(tmp_path), {}) == {}  # local folders: nothing to add
     mine = {"config_kwargs": {"retries": {"max_attempts": 10}, "connect_timeout": 2}}
     assert snap.with_default_retries("s3://b/run", mine) == mine
@@ -173,7 +173,7 @@ def test_unreachable_store_is_reported_within_seconds(monkeypatch):
     """Nothing listens on the port: one line naming the problem (not "bucket does not exist"), in seconds."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     for key, value in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1",
-                       "AWS_EC2_METADATA_DISABLED": "true"}.items():  # fmt: skip
+                       "AWS_EC2_METADATA_DISABLED": "true"}.items():
         monkeypatch.setenv(key, value)
     s3fs.S3FileSystem.clear_instance_cache()
     start = time.perf_counter()
@@ -218,7 +218,7 @@ def test_save_retries_with_backoff_until_the_server_returns(s3_server, s3, caplo
 def test_training_goes_on_while_s3_is_down_and_saving_resumes_when_it_returns(tmp_path, s3_server, s3):
     s3.create_bucket(Bucket="outage")
     job = start_main(train_args("s3://outage/run", tmp_path / "run", max_steps=200, save_every_steps=10),
-                     tmp_path, "train")  # fmt: skip
+                     tmp_path, "train")
     try:
         wait_for(lambda: "run/snapshot-000000010.pt" in objects(s3, "outage"), timeout=240, interval=0.1,
                  what="first snapshot")
@@ -378,7 +378,7 @@ def trained(tmp_path_factory) -> Path:
     """Snapshots at steps 10 and 20 of a TINY run, written once for the local-disk tests to copy."""
     tmp_path = tmp_path_factory.mktemp("trained")
     code, out, err = run_main(train_args(str(tmp_path / "snapshots"), tmp_path / "run", max_steps=20,
-                                         save_every_steps=10), tmp_path, "train")  # fmt: skip
+                                         save_every_steps=10), tmp_path, "train")
     assert code == 0, out[-3000:] + "\n".join(err)
     snapshots = tmp_path / "snapshots"
     assert sorted(os.listdir(snapshots)) == ["snapshot-000000010.pt", "snapshot-000000020.pt"]

@@ -7,13 +7,20 @@ import pytest
 import torch
 
 from char_dataset import CharCorpus, DataConfig
+from distributed import DistContext
 from errors import UsageError
 from model import GPT, GPTConfig
 from optim import OptimizerConfig, build_optimizer, learning_rate
-from distributed import DistContext
-from trainer import ResumableDistributedSampler, Trainer, TrainerConfig, resolve_precision, seed_dropout, validation_loss
 from reporting import read_metrics
 from snapshot import SnapshotStore
+from trainer import (
+    ResumableDistributedSampler,
+    Trainer,
+    TrainerConfig,
+    resolve_precision,
+    seed_dropout,
+    validation_loss,
+)
 
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(400))
 
@@ -29,7 +36,7 @@ def make_trainer(tmp_path=None, dropout=0.0, snapshots=None, **trainer_kwargs) -
     return Trainer(cfg, model, build_optimizer(model, opt_cfg),
                    lambda step, total: learning_rate(step, opt_cfg, total),
                    corpus.train_dataset(), corpus.val_dataset(), DistContext(), tmp_path,
-                   snapshots=None if snapshots is None else SnapshotStore(str(snapshots)), snapshot_metadata=metadata)  # fmt: skip
+                   snapshots=None if snapshots is None else SnapshotStore(str(snapshots)), snapshot_metadata=metadata)
 
 
 def test_fit_writes_metrics_and_loss_falls(tmp_path):
@@ -66,7 +73,7 @@ def test_epoch_boundaries_and_max_epochs():
 def test_evaluation_is_deterministic_and_in_eval_mode():
     trainer = make_trainer(max_steps=1, batch_size=8, dropout=0.3)
     evaluate = lambda: validation_loss(trainer.eval_model, trainer.val_loader, None, trainer.ctx, trainer.split,  # noqa: E731
-                                       trainer.autocast)  # fmt: skip
+                                       trainer.autocast)
     first, second = evaluate(), evaluate()
     assert first == second  # dropout off during evaluation
     assert trainer.eval_model.training  # and back in training mode afterwards
@@ -142,7 +149,7 @@ def test_a_resume_between_log_lines_logs_what_the_uninterrupted_run_logs(tmp_pat
     """A snapshot taken between two log lines (a SIGTERM, save_every_steps) carries the partial loss window: the
     resumed run's next line averages the same steps, to the same value, as the uninterrupted run's."""
     common = {"max_steps": 20, "batch_size": 8, "log_every_steps": 10, "eval_every_steps": 0, "save_every_steps": 7,
-              "keep_last": 5}  # fmt: skip
+              "keep_last": 5}
     whole = make_trainer(tmp_path / "whole", snapshots=tmp_path / "snaps", **common)
     whole.fit()
     for later in ("snapshot-000000014.pt", "snapshot-000000020.pt"):  # as if the job had stopped at step 7

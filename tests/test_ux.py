@@ -10,9 +10,9 @@ import termios
 from pathlib import Path
 
 import pytest
+from conftest import PROJECT_DIR, PYTHON, TINY, run_cli, subprocess_env
 
 import plot
-from conftest import PROJECT_DIR, PYTHON, TINY, run_cli, subprocess_env
 from reporting import read_metrics
 
 
@@ -172,9 +172,10 @@ def test_multirun_sweep_gives_each_job_its_own_run_dir_and_snapshots(tmp_path):
     snaps = tmp_path / "snaps"
     result = subprocess.run(
         [PYTHON, str(PROJECT_DIR / "main.py"), "-m", *TINY, "optimizer_config.learning_rate=1e-3,3e-3",
-         "trainer_config.max_steps=10", f"trainer_config.snapshot_path={snaps}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+         "trainer_config.max_steps=10", f"trainer_config.snapshot_path={snaps}",
+         f"hydra.sweep.dir={tmp_path / 'sweep'}"],
         capture_output=True, text=True, timeout=240, cwd=tmp_path, env=subprocess_env(tmp_path),
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir())
     assert [j.name for j in jobs] == ["0", "1"], result.stdout[-3000:] + result.stderr[-3000:]
