@@ -44,9 +44,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from char_dataset import PROJECT_DIR
 from reporting import read_metrics
+from snapshot import NAME_PATTERN
 
-PROJECT_DIR = Path(__file__).resolve().parent
 MOMENTS = ("startup", "step", "eval", "save")
 RESTARTS = ("torchrun", "rerun")
 
@@ -89,7 +90,7 @@ def _snapshot_steps(snaps: Path) -> list[int]:
         names = os.listdir(snaps)
     except FileNotFoundError:
         return []
-    return sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"snapshot-(\d+)\.pt", n)))
+    return sorted(int(m.group(1)) for n in names if (m := NAME_PATTERN.match(n)))
 
 
 def _children(pid: int) -> list[int]:

@@ -17,14 +17,13 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from char_dataset import DataConfig
+from char_dataset import PROJECT_DIR, DataConfig
 from distributed import global_rank
 from errors import UsageError, first_line
 from model import GPTConfig
 from optim import OptimizerConfig
 from trainer import TrainerConfig
 
-PROJECT_DIR = Path(__file__).resolve().parent
 CONFIG_NAME = "gpt2_train_cfg"
 
 

@@ -1,124 +1,16 @@
-"""Shared helpers: run the real CLI (python main.py / torchrun) as a subprocess on a tiny model."""
+"""The tests' fixtures (everything else they share is in support.py)."""
 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-
-from reporting import read_metrics
-
-PROJECT_DIR = Path(__file__).resolve().parent.parent
-PYTHON = sys.executable
-TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
-
-# A model and a data slice small enough that a run takes seconds on 2 CPU cores.
-TINY = [
-    "data_config.truncate=0.05",
-    "data_config.block_size=32",
-    "gpt_config.n_layer=2",
-    "gpt_config.n_head=2",
-    "gpt_config.n_embd=32",
-    "gpt_config.dropout=0.1",
-    "optimizer_config.learning_rate=3e-3",
-    "optimizer_config.warmup_steps=5",
-    "optimizer_config.min_lr=3e-4",
-    "trainer_config.batch_size=8",
-    "trainer_config.max_steps=40",
-    "trainer_config.log_every_steps=5",
-    "trainer_config.eval_every_steps=20",
-    "trainer_config.eval_batches=8",
-    "trainer_config.mixed_precision=fp32",
-]
-
-
-def subprocess_env(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["TMPDIR"] = str(tmp_path)  # torchrun's torchelastic_* folders
-    env.pop("RANK", None)
-    env.pop("TORCHELASTIC_RUN_ID", None)
-    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # tests run the commands as the README gives them
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def own_snapshots(tmp_path: Path) -> list[str]:
-    """Keep a test's snapshots out of the project folder (a later snapshot_path argument still wins)."""
-    return [f"trainer_config.snapshot_path={tmp_path / 'snapshots'}"]
-
-
-def run_cli(
-    args: list[str], tmp_path: Path, nproc: int | None = None, timeout: float = 240
-) -> subprocess.CompletedProcess:
-    """`python main.py ARGS` (nproc None) or `torchrun --standalone --nproc_per_node=N main.py ARGS`."""
-    launcher = [PYTHON] if nproc is None else [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}"]
-    return subprocess.run(
-        [*launcher, str(PROJECT_DIR / "main.py"), *own_snapshots(tmp_path), *args],
-        cwd=tmp_path,  # not the project: relative data paths must still resolve against the project
-        env=subprocess_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 
 
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
-
-
-def start_cli(args: list[str], tmp_path: Path, nproc: int, max_restarts: int = 0, log_name: str = "launch.log",
-              extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `torchrun --standalone` in the background; its output goes to tmp_path/log_name."""
-    env = subprocess_env(tmp_path)
-    env.update(extra_env or {})
-    launcher = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}"]
-    return subprocess.Popen(
-        [*launcher, str(PROJECT_DIR / "main.py"), *own_snapshots(tmp_path), *args], cwd=tmp_path, env=env,
-        stdout=(tmp_path / log_name).open("w"), stderr=subprocess.STDOUT, text=True,
-    )
-
-
-def child_pids(pid: int) -> list[int]:
-    """Direct children of a process (torchrun's workers), from /proc."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return sorted(children)
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-
-
-def logged_step(run_dir: Path) -> int:
-    """Highest training step in metrics.jsonl so far (0 if none)."""
-    return max((row["step"] for row in read_metrics(run_dir) if "train_loss" in row), default=0)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

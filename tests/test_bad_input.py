@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from conftest import PROJECT_DIR, PYTHON, TINY, TORCHRUN, free_port, subprocess_env
+from support import PROJECT_DIR, PYTHON, TINY, TORCHRUN, assert_ok, free_port, subprocess_env
 
 import snapshot as snap
 
@@ -39,7 +39,7 @@ def trained(tmp_path_factory) -> Path:
          f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={home / 'run'}"],
         cwd=home, env=subprocess_env(home), capture_output=True, text=True, timeout=600,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_ok(result)
     assert sorted(p.name for p in snaps.iterdir()) == SNAPSHOTS
     return snaps
 
@@ -98,165 +98,176 @@ def unreachable_s3(d: Path) -> dict[str, str | None]:
 
 @dataclass
 class Case:
-    """`setup(case_dir, snaps)` prepares files and returns the extra command-line arguments."""
+    """The extra command-line arguments (`{d}`: the case's own folder, `{s}`: its copy of the snapshot folder,
+    `{port}`: a port nothing listens on), the regex the one error line must match (after "error: "), what runs, and
+    what is set up first: `prepare(d, s)` writes or damages files, `env(d)` changes the environment."""
 
-    setup: Callable[[Path, Path], list[str]]
-    error: str  # regex the one error line must match (after "error: ")
+    args: list[str]
+    error: str
     tool: str = "main"  # main | torchrun | sample | info | list
+    prepare: Callable[[Path, Path], object] | None = None
     env: Callable[[Path], dict[str, str | None]] = field(default=lambda d: {})
+
+    def arguments(self, d: Path, snaps: Path) -> list[str]:
+        return [arg.format(d=d, s=snaps, port=free_port()) for arg in self.args]
 
 
 # Each case: (what it sets up and passes) -> the one error line it must give.
 CASES: dict[str, Case] = {
     # ---- config: fails before Hydra makes a run folder
     "config: unknown key": Case(
-        lambda d, s: ["gpt_config.nlayer=3"],
+        ["gpt_config.nlayer=3"],
         r"Key 'nlayer' not in 'GPTConfig'"),
     "config: +new_key": Case(
-        lambda d, s: ["+trainer_config.max_epoch=3"],
+        ["+trainer_config.max_epoch=3"],
         r"unknown config key trainer_config\.max_epoch \(known keys: .*max_epochs"),
     "config: wrong type": Case(
-        lambda d, s: ["trainer_config.max_steps=ten"],
+        ["trainer_config.max_steps=ten"],
         r"Value 'ten' of type 'str' could not be converted to Integer"),
     "config: dropout out of range": Case(
-        lambda d, s: ["gpt_config.dropout=1.5"],
+        ["gpt_config.dropout=1.5"],
         r"gpt_config\.dropout must be in \[0, 1\), got 1\.5"),
     "config: unknown attention implementation": Case(
-        lambda d, s: ["gpt_config.attention=flash"],
+        ["gpt_config.attention=flash"],
         r"gpt_config\.attention must be one of sdpa, matmul, got 'flash'"),
     "config: zero keep_last": Case(
-        lambda d, s: ["trainer_config.keep_last=0"],
+        ["trainer_config.keep_last=0"],
         r"trainer_config\.keep_last must be positive, got 0"),
     "config: min_lr above learning_rate": Case(
-        lambda d, s: ["optimizer_config.min_lr=0.01"],
+        ["optimizer_config.min_lr=0.01"],
         r"min_lr must be in \[0, learning_rate=0\.003\], got 0\.01"),
     "config: n_embd not divisible by n_head": Case(
-        lambda d, s: ["gpt_config.n_head=3"],
+        ["gpt_config.n_head=3"],
         r"divisible by gpt_config\.n_head"),
     "config: decay ends before warmup": Case(
-        lambda d, s: ["optimizer_config.decay_steps=3"],
+        ["optimizer_config.decay_steps=3"],
         r"decay_steps \(3\) must be larger than optimizer_config\.warmup_steps \(5\)"),
     # ---- data: fails before the process group
     "data: missing file": Case(
-        lambda d, s: ["data_config.path=data/no-such-file.txt"],
+        ["data_config.path=data/no-such-file.txt"],
         rf"data file not found: {re.escape(str(PROJECT_DIR))}/data/no-such-file\.txt$"),
     "data: empty file": Case(
-        lambda d, s: [f"data_config.path={write(d, 'empty.txt', b'')}"],
-        r"data file .*empty\.txt is empty"),
+        ["data_config.path={d}/empty.txt"], prepare=lambda d, s: write(d, "empty.txt", b""),
+        error=r"data file .*empty\.txt is empty"),
     "data: shorter than block_size + 1": Case(
-        lambda d, s: [f"data_config.path={write(d, 'short.txt', SHAKESPEARE[:60].encode())}",
-                      "data_config.truncate=1.0"],
-        r"short\.txt is too short: the validation split has 6 characters but block_size \+ 1 = 33 are needed"),
+        ["data_config.path={d}/short.txt", "data_config.truncate=1.0"],
+        prepare=lambda d, s: write(d, "short.txt", SHAKESPEARE[:60].encode()),
+        error=r"short\.txt is too short: the validation split has 6 characters but block_size \+ 1 = 33 are needed"),
     "data: not UTF-8": Case(
-        lambda d, s: [f"data_config.path={write(d, 'latin1.txt', 'café au lait. '.encode('latin-1') * 50)}"],
-        r"latin1\.txt is not UTF-8 text \(invalid byte at offset 3\)"),
+        ["data_config.path={d}/latin1.txt"],
+        prepare=lambda d, s: write(d, "latin1.txt", "café au lait. ".encode("latin-1") * 50),
+        error=r"latin1\.txt is not UTF-8 text \(invalid byte at offset 3\)"),
     "data: unknown protocol": Case(
-        lambda d, s: ["data_config.path=nope://bucket/input.txt"],
+        ["data_config.path=nope://bucket/input.txt"],
         r"data_config\.path 'nope://bucket/input\.txt': unknown protocol 'nope' \(fsspec knows s3, "),
     "data: s3 URL with one slash": Case(
-        lambda d, s: ["data_config.path=s3:/corpus/input.txt"],
+        ["data_config.path=s3:/corpus/input.txt"],
         r"data_config\.path 's3:/corpus/input\.txt' is not a complete URL: 's3:' must be followed by '//' "
         r"\(expected s3://BUCKET/PATH\)$"),
     "data: file URL with an empty path": Case(
-        lambda d, s: ["data_config.path=file://"],
+        ["data_config.path=file://"],
         r"data_config\.path 'file://': no path after 'file://' \(expected file:///ABSOLUTE/PATH\)$"),
     "data: ftp server refusing connections": Case(
-        lambda d, s: [f"data_config.path=ftp://127.0.0.1:{free_port()}/input.txt"],
+        ["data_config.path=ftp://127.0.0.1:{port}/input.txt"],
         r"cannot read data file ftp://127\.0\.0\.1:\d+/input\.txt: ConnectionRefusedError: "),
     "data: http server unreachable": Case(
-        lambda d, s: [f"data_config.path=http://127.0.0.1:{free_port()}/input.txt"],
+        ["data_config.path=http://127.0.0.1:{port}/input.txt"],
         r"cannot read data file http://127\.0\.0\.1:\d+/input\.txt: ClientConnectorError: Cannot connect to host"),
     "data: s3 endpoint unreachable": Case(
-        lambda d, s: ["data_config.path=s3://corpus/input.txt"],
+        ["data_config.path=s3://corpus/input.txt"],
         r"cannot read data file s3://corpus/input\.txt: EndpointConnectionError: Could not connect to the endpoint URL",
         env=unreachable_s3),
     # ---- the snapshot location: a URL is one or an error, never a local folder (issue 17)
     "location: s3:// without a bucket": Case(
-        lambda d, s: ["trainer_config.snapshot_path=s3://"],
+        ["trainer_config.snapshot_path=s3://"],
         r"trainer_config.snapshot_path 's3://': no bucket after 's3://' \(expected s3://BUCKET/PATH\)$"),
     "location: s3:/bucket with one slash": Case(
-        lambda d, s: ["trainer_config.snapshot_path=s3:/bucket/run"],
+        ["trainer_config.snapshot_path=s3:/bucket/run"],
         r"trainer_config.snapshot_path 's3:/bucket/run' is not a complete URL: 's3:' must be followed by '//'"),
     "location: s3:///x with an empty bucket": Case(
-        lambda d, s: ["trainer_config.snapshot_path=s3:///run"],
+        ["trainer_config.snapshot_path=s3:///run"],
         r"trainer_config.snapshot_path 's3:///run': no bucket after 's3://'"),
     "location: file:// with an empty path": Case(
-        lambda d, s: ["trainer_config.snapshot_path=file://"],
+        ["trainer_config.snapshot_path=file://"],
         r"trainer_config.snapshot_path 'file://': no path after 'file://' \(expected file:///ABSOLUTE/PATH\)$"),
     "location: unknown protocol": Case(
-        lambda d, s: ["trainer_config.snapshot_path=s4://bucket/run"],
+        ["trainer_config.snapshot_path=s4://bucket/run"],
         r"trainer_config.snapshot_path 's4://bucket/run': unknown protocol 's4' \(fsspec knows s3, "),
     "location: ftp store refusing connections": Case(
-        lambda d, s: [f"trainer_config.snapshot_path=ftp://127.0.0.1:{free_port()}/run"],
+        ["trainer_config.snapshot_path=ftp://127.0.0.1:{port}/run"],
         r"cannot use snapshot location ftp://127\.0\.0\.1:\d+/run: ConnectionRefusedError: .*Connection refused$"),
     "location: s3:// without a bucket (sample.py)": Case(
-        lambda d, s: ["snapshot=s3://"],
+        ["snapshot=s3://"],
         r"storage location 's3://': no bucket after 's3://'", tool="sample"),
     "location: s3:/bucket with one slash (sample.py)": Case(
-        lambda d, s: [f"snapshot=s3:/bucket/run/{SNAPSHOTS[-1]}"],
+        [f"snapshot=s3:/bucket/run/{SNAPSHOTS[-1]}"],
         r"storage location 's3:/bucket/run/snapshot-000000010\.pt' is not a complete URL", tool="sample"),
     "location: s3:///x with an empty bucket (snapshot.py info)": Case(
-        lambda d, s: [f"s3:///run/{SNAPSHOTS[-1]}"],
+        [f"s3:///run/{SNAPSHOTS[-1]}"],
         r"storage location 's3:///run/snapshot-000000010\.pt': no bucket after 's3://'", tool="info"),
     "location: unknown protocol (snapshot.py list)": Case(
-        lambda d, s: ["s4://bucket/run"],
+        ["s4://bucket/run"],
         r"storage location 's4://bucket/run': unknown protocol 's4'", tool="list"),
     "location: s3:// without a bucket (snapshot.py list)": Case(
-        lambda d, s: ["s3://"],
+        ["s3://"],
         r"storage location 's3://': no bucket after 's3://'", tool="list"),
     "location: missing folder (snapshot.py list)": Case(
-        lambda d, s: [str(d / "no-such-folder")],
+        ["{d}/no-such-folder"],
         r"no such snapshot folder: .*/no-such-folder$", tool="list"),
     # ---- snapshots already in the snapshot folder
     "snapshot: every snapshot truncated": Case(
-        lambda d, s: damage_all(s, lambda b: b[: len(b) // 2]) or ["trainer_config.max_steps=20"],
-        r"no readable snapshot in .*: all 2 damaged \(newest: .*snapshot-000000010\.pt: unreadable \(RuntimeError: "
+        ["trainer_config.max_steps=20"], prepare=lambda d, s: damage_all(s, lambda b: b[: len(b) // 2]),
+        error=r"no readable snapshot in .*: all 2 damaged \(newest: .*snapshot-000000010\.pt: unreadable "
+        r"\(RuntimeError: "
         r"PytorchStreamReader failed reading zip archive: failed finding central directory\)\); move them away"),
     "snapshot: random bytes (snapshot.py info)": Case(
-        lambda d, s: damage_all(s, lambda b: random.Random(len(b)).randbytes(len(b))) or [str(s / SNAPSHOTS[-1])],
-        r"snapshot-000000010\.pt: unreadable \(not a snapshot file\)$", tool="info"),
+        ["{s}/" + SNAPSHOTS[-1]], prepare=lambda d, s: damage_all(s, lambda b: random.Random(len(b)).randbytes(len(b))),
+        error=r"snapshot-000000010\.pt: unreadable \(not a snapshot file\)$", tool="info"),
     "snapshot: truncated (sample.py)": Case(
-        lambda d, s: damage_all(s, lambda b: b[:4000]) or [f"snapshot={s / SNAPSHOTS[-1]}"],
-        r"snapshot .*snapshot-000000010\.pt: unreadable \(.*\)$", tool="sample"),
+        ["snapshot={s}/" + SNAPSHOTS[-1]], prepare=lambda d, s: damage_all(s, lambda b: b[:4000]),
+        error=r"snapshot .*snapshot-000000010\.pt: unreadable \(.*\)$", tool="sample"),
     "snapshot: a folder in the place of the newest snapshot (a store failure during resume)": Case(
-        lambda d, s: (s / snap.snapshot_name(11)).mkdir() or ["trainer_config.max_steps=20"],
-        r"cannot read snapshot .*/snapshot-000000011\.pt \(1 attempt\(s\) in \d+\.\d s, last error "
+        ["trainer_config.max_steps=20"], prepare=lambda d, s: (s / snap.snapshot_name(11)).mkdir(),
+        error=r"cannot read snapshot .*/snapshot-000000011\.pt \(1 attempt\(s\) in \d+\.\d s, last error "
         r"IsADirectoryError: "),
     "snapshot: other model shape": Case(
-        lambda d, s: ["gpt_config.n_embd=64"],
+        ["gpt_config.n_embd=64"],
         r"is for a different model: n_embd=32 in the snapshot, 64 in the config"),
     "snapshot: other vocabulary": Case(
-        lambda d, s: [f"data_config.path={different_vocabulary(d)}", "data_config.truncate=1.0"],
-        r"has a different vocabulary \(59 characters, this data 59; only in the data: '\u00e9', "
+        ["data_config.path={d}/other.txt", "data_config.truncate=1.0"], prepare=lambda d, s: different_vocabulary(d),
+        error=r"has a different vocabulary \(59 characters, this data 59; only in the data: '\u00e9', "
         r"only in the snapshot: 'z'"),
     "snapshot: newer format version": Case(
-        lambda d, s: craft(s, snap.snapshot_name(11), lambda x: x.update(format_version=snap.FORMAT_VERSION + 1))
-        and ["trainer_config.max_steps=20"],
-        r"snapshot-000000011\.pt has snapshot format 2, newer than this code understands \(1\)"),
+        ["trainer_config.max_steps=20"],
+        prepare=lambda d, s: craft(s, snap.snapshot_name(11),
+                                   lambda x: x.update(format_version=snap.FORMAT_VERSION + 1)),
+        error=r"snapshot-000000011\.pt has snapshot format 2, newer than this code understands \(1\)"),
     "snapshot: pickled code": Case(
-        lambda d, s: craft(s, snap.snapshot_name(11), lambda x: x.update(progress=WritesMarker(d / "code-ran")),
-                           recompute_digest=False) and ["trainer_config.max_steps=20"],
-        r"refusing to load .*snapshot-000000011\.pt: it references code \(.*exec\), not only data"),
+        ["trainer_config.max_steps=20"],
+        prepare=lambda d, s: craft(s, snap.snapshot_name(11), lambda x: x.update(progress=WritesMarker(d / "code-ran")),
+                                   recompute_digest=False),
+        error=r"refusing to load .*snapshot-000000011\.pt: it references code \(.*exec\), not only data"),
     "snapshot: weights that do not fit its own config (sample.py)": Case(
-        lambda d, s: craft(s, snap.snapshot_name(11), lambda x: x["model_config"].update(n_embd=64, n_head=4))
-        and [f"snapshot={s / snap.snapshot_name(11)}"],
-        r"the snapshot's weights do not match its model config: .*size mismatch", tool="sample"),
+        ["snapshot={s}/" + snap.snapshot_name(11)],
+        prepare=lambda d, s: craft(s, snap.snapshot_name(11), lambda x: x["model_config"].update(n_embd=64, n_head=4)),
+        error=r"the snapshot's weights do not match its model config: .*size mismatch", tool="sample"),
     # ---- environment
     "environment: world size does not divide the work": Case(
-        lambda d, s: [f"data_config.path={write(d, 'small.txt', SHAKESPEARE[:400].encode())}",
-                      "data_config.truncate=1.0", "trainer_config.batch_size=200"],
-        r"an optimizer step needs batch_size x grad_accum_steps x processes = 200 x 1 x 2 windows, but the training "
+        ["data_config.path={d}/small.txt", "data_config.truncate=1.0", "trainer_config.batch_size=200"],
+        prepare=lambda d, s: write(d, "small.txt", SHAKESPEARE[:400].encode()),
+        error=r"an optimizer step needs batch_size x grad_accum_steps x processes = 200 x 1 x 2 windows, but the "
+        r"training "
         r"split has only 328", tool="torchrun"),
     "environment: a misspelled key under torchrun (every rank sees it; printed once)": Case(
-        lambda d, s: ["trainer_config.max_step=3"], r"Key 'max_step' not in 'TrainerConfig'", tool="torchrun"),
+        ["trainer_config.max_step=3"], r"Key 'max_step' not in 'TrainerConfig'", tool="torchrun"),
     "environment: a missing data file under torchrun (printed once)": Case(
-        lambda d, s: ["data_config.path=/no/such/file.txt"], r"data file not found", tool="torchrun"),
+        ["data_config.path=/no/such/file.txt"], r"data file not found", tool="torchrun"),
     "environment: missing S3 credentials": Case(
-        lambda d, s: ["trainer_config.snapshot_path=s3://bucket/run1/"],
+        ["trainer_config.snapshot_path=s3://bucket/run1/"],
         r"snapshot location s3://bucket/run1 .*NoCredentialsError: Unable to locate credentials",
         env=no_aws_credentials),
     "environment: RANK without torchrun": Case(
-        lambda d, s: [],
+        [],
         r"RANK is set but LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT is not: launch with torchrun",
         env=lambda d: {"RANK": "0"}),
 }
@@ -306,7 +317,9 @@ def run_case(name: str, trained: Path, d: Path) -> Outcome:
     case = CASES[name]
     snaps = d / "snaps"
     shutil.copytree(trained, snaps)
-    args = case.setup(d, snaps)
+    if case.prepare is not None:
+        case.prepare(d, snaps)
+    args = case.arguments(d, snaps)
     before = folder_contents(snaps)
     env = {**subprocess_env(d), **case.env(d)}
     env = {key: value for key, value in env.items() if value is not None}

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from conftest import PROJECT_DIR, TINY, TORCHRUN, subprocess_env
+from support import PROJECT_DIR, TINY, TORCHRUN, assert_ok, subprocess_env
 
 
 def check_result(result: dict, world_size: int) -> None:
@@ -23,7 +23,7 @@ def test_bench_single_process_with_snapshots_and_baseline(tmp_path):
          "--baseline", "nanogpt", "--json", str(out), *TINY, f"trainer_config.snapshot_path={tmp_path / 'snaps'}"],
         cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_ok(proc)
     result = json.loads(out.read_text())
     assert json.loads(proc.stdout) == result
     check_result(result, world_size=1)
@@ -42,7 +42,7 @@ def test_bench_under_torchrun_with_scaling(tmp_path):
          "--warmup", "1", "--scaling", *TINY],
         cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_ok(proc)
     result = json.loads(proc.stdout)
     check_result(result, world_size=2)
     scaling = result["scaling"]

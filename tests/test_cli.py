@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY, run_cli
+from support import TINY, assert_ok, run_cli
 
 from reporting import read_metrics
 
@@ -25,7 +25,7 @@ def assert_trained(run_dir: Path, world_size: int) -> list[dict]:
 
 def test_torchrun_two_processes(tmp_path):
     result = run_cli(TINY, tmp_path, nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_ok(result)
     # One run directory for both ranks (Hydra would otherwise compute one per process).
     run_dirs = list((tmp_path / "outputs").iterdir())
     assert len(run_dirs) == 1, run_dirs
@@ -39,7 +39,7 @@ def test_torchrun_two_processes(tmp_path):
 
 def test_single_process_without_torchrun(tmp_path, run_dir):
     result = run_cli([*TINY, f"hydra.run.dir={run_dir}"], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_ok(result)
     assert_trained(run_dir, world_size=1)
 
 

@@ -5,7 +5,7 @@ one compile this suite can afford also checks that both attention implementation
 snapshot moves between them (attention is how the model computes, not its shape).
 """
 
-from conftest import TINY, run_cli
+from support import TINY, assert_ok, run_cli
 
 from reporting import read_metrics
 
@@ -28,10 +28,10 @@ def train_losses(run_dir) -> dict[int, float]:
 
 def test_compiled_training_matches_eager_and_its_snapshot_resumes_eagerly(tmp_path):
     eager = run_cli(compile_args(tmp_path, "eager", 8), tmp_path)
-    assert eager.returncode == 0, eager.stderr[-3000:]
+    assert_ok(eager)
     compiled_args = compile_args(tmp_path, "compiled", 8, "trainer_config.compile=true", "gpt_config.attention=matmul")
     compiled = run_cli(compiled_args, tmp_path, timeout=600)
-    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    assert_ok(compiled)
 
     expected, got = train_losses(tmp_path / "run_eager"), train_losses(tmp_path / "run_compiled")
     assert sorted(got) == sorted(expected) == list(range(1, 9))
@@ -41,6 +41,6 @@ def test_compiled_training_matches_eager_and_its_snapshot_resumes_eagerly(tmp_pa
     # The snapshot holds the plain module's weights (no torch.compile wrapper names, no attention mask buffer):
     # eager mode with sdpa attention continues it.
     resumed = run_cli(compile_args(tmp_path, "compiled", 12), tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_ok(resumed)
     assert "resumed from" in resumed.stdout + resumed.stderr
     assert sorted(train_losses(tmp_path / "run_compiled")) == list(range(1, 13))

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 import torch.distributed as dist
-from conftest import PROJECT_DIR, PYTHON, TINY, TORCHRUN, child_pids, free_port, logged_step, subprocess_env, wait_for
+from support import PROJECT_DIR, PYTHON, TINY, TORCHRUN, child_pids, free_port, logged_step, subprocess_env, wait_for
 
 import snapshot as snapshot_format
 from reporting import read_metrics

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY, run_cli
+from support import TINY, assert_ok, run_cli
 
 import bench
 from char_dataset import CharCorpus, DataConfig
@@ -92,7 +92,7 @@ def precision_run(tmp_path, precision: str, max_steps: int, run: str):
             "trainer_config.eval_batches=2", f"trainer_config.mixed_precision={precision}",
             f"hydra.run.dir={tmp_path / run}"]
     proc = run_cli(args, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_ok(proc)
     return proc.stdout + proc.stderr, read_metrics(tmp_path / run)
 
 

@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from conftest import TINY, child_pids, logged_step, run_cli, start_cli, wait_for
+from support import TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
 
 import snapshot as snap
 
@@ -41,11 +41,11 @@ def weights(run_dir: Path) -> str:
 def test_rerun_of_a_finished_job_says_so_and_exits_0(tmp_path):
     snaps = tmp_path / "snaps"
     first = run_cli(job_args(snaps, tmp_path / "run1", max_steps=20), tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert_ok(first)
     # Again, as `make run` twice does: a new run directory, nothing to train. Under torchrun, where a crash at the
     # end would use up every restart.
     again = run_cli([*job_args(snaps, tmp_path / "run2", max_steps=20)], tmp_path, nproc=2)
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert_ok(again)
     assert again.stdout.count("nothing to train") == 1, again.stdout[-3000:]
     assert "raise trainer_config.max_steps or trainer_config.max_epochs" in again.stdout
     assert "Traceback" not in again.stderr and "training: steps" not in again.stdout
@@ -63,7 +63,7 @@ def test_rerun_of_a_finished_job_says_so_and_exits_0(tmp_path):
 def test_workers_of_a_killed_agent_stop_and_a_rerun_ends_as_if_uninterrupted(tmp_path):
     steps = 400  # ~10 s of training on 2 cores: orphans that trained on would still be at it when checked
     straight = run_cli(job_args(tmp_path / "snaps_a", tmp_path / "run_a", steps), tmp_path, nproc=2)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert_ok(straight)
 
     snaps, run_dir = tmp_path / "snaps_b", tmp_path / "run_b"
     job = start_cli(job_args(snaps, run_dir, steps), tmp_path, nproc=2)
@@ -89,7 +89,7 @@ def test_workers_of_a_killed_agent_stop_and_a_rerun_ends_as_if_uninterrupted(tmp
         snap.read_file(str(snaps / entry.name))  # every snapshot there reads back intact
 
     rerun = run_cli(job_args(snaps, run_dir, steps), tmp_path, nproc=2)  # the user runs the command again
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert_ok(rerun)
     assert "resumed from" in rerun.stdout
     assert weights(run_dir) == weights(tmp_path / "run_a")
 

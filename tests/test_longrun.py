@@ -8,7 +8,7 @@ import re
 import subprocess
 import time
 
-from conftest import PROJECT_DIR, PYTHON, subprocess_env
+from support import PROJECT_DIR, PYTHON, subprocess_env
 
 from reporting import read_metrics
 

@@ -3,7 +3,7 @@
 import json
 import subprocess
 
-from conftest import PROJECT_DIR, TINY, TORCHRUN, free_port, subprocess_env
+from support import PROJECT_DIR, TINY, TORCHRUN, free_port, subprocess_env
 
 
 def test_two_nodes_train_to_the_end_with_identical_weights(tmp_path):

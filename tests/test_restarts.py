@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 
-from conftest import PROJECT_DIR, TINY, TORCHRUN, child_pids, subprocess_env, wait_for
+from support import PROJECT_DIR, TINY, TORCHRUN, child_pids, subprocess_env, wait_for
 
 from reporting import read_metrics
 

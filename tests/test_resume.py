@@ -6,7 +6,7 @@ import os
 import signal
 from pathlib import Path
 
-from conftest import TINY, child_pids, logged_step, run_cli, start_cli, wait_for
+from support import TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
 
 import snapshot as snap
 from reporting import read_metrics
@@ -29,7 +29,7 @@ def rows_by_step(rows: list[dict], key: str) -> dict[int, float]:
 
 def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
     straight = run_cli(resume_args(tmp_path / "snaps_a", tmp_path / "run_a"), tmp_path, nproc=2)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert_ok(straight)
 
     job = start_cli(resume_args(tmp_path / "snaps_b", tmp_path / "run_b"), tmp_path, nproc=2, max_restarts=1)
     wait_for(lambda: logged_step(tmp_path / "run_b") >= 35, timeout=120, what="step 35")
@@ -58,9 +58,9 @@ def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
 def test_world_size_change_keeps_the_global_sample_position(tmp_path):
     snaps, run_dir = tmp_path / "snaps", tmp_path / "run"
     first = run_cli(resume_args(snaps, run_dir, max_steps=30), tmp_path, nproc=2)
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert_ok(first)
     second = run_cli(resume_args(snaps, run_dir, max_steps=40), tmp_path)  # 1 process, no torchrun
-    assert second.returncode == 0, second.stderr[-3000:]
+    assert_ok(second)
     # 30 steps x 2 processes x batch 8 = 480 samples, then 10 steps x 1 process x 8 = 80 more
     assert "written by 2 process(es), resuming with 1: continuing at global sample 480 of epoch 0" in second.stdout
     store = snap.SnapshotStore(str(snaps))
@@ -98,7 +98,7 @@ def test_kill_during_a_save_leaves_a_loadable_snapshot(tmp_path):
         snap.from_bytes(store.read(entry.name), entry.name)
     newest = entries[0].step
     again = run_cli([*args, f"trainer_config.max_steps={newest + 2}"], tmp_path, nproc=2)
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert_ok(again)
     assert f"resumed from {snaps}/{snap.snapshot_name(newest)}" in again.stdout
     assert not [n for n in os.listdir(snaps) if ".tmp-" in n]  # the killed save's leftovers are cleaned up
 
@@ -106,11 +106,11 @@ def test_kill_during_a_save_leaves_a_loadable_snapshot(tmp_path):
 def test_damaged_newest_snapshot_falls_back_and_foreign_one_is_refused(tmp_path):
     snaps, run_dir = tmp_path / "snaps", tmp_path / "run"
     first = run_cli(resume_args(snaps, run_dir, max_steps=20), tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert_ok(first)
     newest = snaps / snap.snapshot_name(20)
     newest.write_bytes(newest.read_bytes()[:5000])  # truncated, e.g. by a full disk outside our control
     resumed = run_cli(resume_args(snaps, run_dir, max_steps=30), tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_ok(resumed)
     assert "skipping snapshot" in resumed.stdout + resumed.stderr
     assert f"resumed from {snaps}/{snap.snapshot_name(10)}" in resumed.stdout
 
@@ -135,7 +135,7 @@ def test_sigterm_saves_and_the_same_command_continues(tmp_path):
     stopped_at = snap.SnapshotStore(str(snaps)).entries()[0].step
     assert stopped_at >= 10
     again = run_cli([*args, f"trainer_config.max_steps={stopped_at + 5}"], tmp_path, nproc=2)
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert_ok(again)
     assert f"resumed from {snaps}/{snap.snapshot_name(stopped_at)}" in again.stdout
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == stopped_at + 5
 

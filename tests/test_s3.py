@@ -9,7 +9,7 @@ import sys
 
 import boto3
 import pytest
-from conftest import PROJECT_DIR, TINY, child_pids, free_port, logged_step, run_cli, start_cli, wait_for
+from support import PROJECT_DIR, TINY, assert_ok, child_pids, free_port, logged_step, run_cli, start_cli, wait_for
 
 import snapshot as snap
 
@@ -76,7 +76,7 @@ def test_train_kill_and_resume_on_s3(tmp_path, s3):
 def test_snapshot_cli_reads_s3(tmp_path, s3):
     s3.create_bucket(Bucket="cli")
     result = run_cli(args_for("s3://cli/r/", tmp_path / "run", max_steps=20), tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_ok(result)
     listing = subprocess.run([sys.executable, str(PROJECT_DIR / "snapshot.py"), "list", "s3://cli/r"],
                              capture_output=True, text=True, timeout=60)
     assert [json.loads(line)["step"] for line in listing.stdout.splitlines()] == [20, 10], listing.stderr
@@ -99,7 +99,7 @@ def test_credentials_in_storage_options_are_not_written_anywhere(tmp_path, s3, s
     options = f"trainer_config.snapshot_storage_options={{key:'{key}',secret:'{secret}'}}"
     run_dir = tmp_path / "run"
     result = run_cli([*args_for("s3://secret/r/", run_dir, max_steps=10), options], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_ok(result)
     for path in run_dir.rglob("*"):
         if path.is_file():
             text = path.read_bytes()
@@ -114,10 +114,10 @@ def test_credentials_in_storage_options_are_not_written_anywhere(tmp_path, s3, s
 def test_sample_from_an_s3_snapshot_is_deterministic(tmp_path, s3):
     s3.create_bucket(Bucket="gen")
     result = run_cli(args_for("s3://gen/r/", tmp_path / "run", max_steps=10), tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_ok(result)
     command = [sys.executable, str(PROJECT_DIR / "sample.py"), "snapshot=s3://gen/r/", "max_new_tokens=40", "seed=7"]
     first = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     again = subprocess.run([*command[:-1], "snapshot=s3://gen/r/snapshot-000000010.pt", "seed=7"],
                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
+    assert_ok(first)
     assert len(first.stdout.rstrip("\n")) == 1 + 40 and first.stdout == again.stdout

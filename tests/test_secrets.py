@@ -14,7 +14,7 @@ from pathlib import Path
 
 import boto3
 import pytest
-from conftest import PROJECT_DIR, PYTHON, TINY, free_port, run_cli, subprocess_env
+from support import PROJECT_DIR, PYTHON, TINY, assert_ok, free_port, run_cli, subprocess_env
 from test_snapshot import make_snapshot
 
 import snapshot as snap
@@ -64,10 +64,10 @@ def test_environment_credentials_are_not_written_anywhere(tmp_path, env_credenti
     s3.create_bucket(Bucket="envcreds")
     run_dir = tmp_path / "run"
     result = run_cli(short_run("s3://envcreds/r/", run_dir), tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_ok(result)
     info = subprocess.run([PYTHON, str(PROJECT_DIR / "snapshot.py"), "info", "s3://envcreds/r/snapshot-000000005.pt"],
                           capture_output=True, timeout=120)
-    assert info.returncode == 0, info.stderr
+    assert_ok(info)
     objects = {o["Key"]: s3.get_object(Bucket="envcreds", Key=o["Key"])["Body"].read()
                for o in s3.list_objects_v2(Bucket="envcreds").get("Contents", [])}
     assert list(objects) == ["r/snapshot-000000005.pt"]
@@ -84,7 +84,7 @@ def test_storage_options_and_environment_credentials_stay_out_of_a_local_run(tmp
     run_dir, snaps = tmp_path / "run", tmp_path / "snaps"
     options = f"trainer_config.snapshot_storage_options={{password:'{password}',token:'{token}'}}"
     result = run_cli([*short_run(str(snaps), run_dir), options], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_ok(result)
     assert (run_dir / ".hydra" / "overrides.yaml").exists() and list(snaps.glob("snapshot-*.pt"))
     assert_nowhere((ENV_KEY_ID, ENV_SECRET, *OPTION_SECRETS), {
         "stdout": result.stdout.encode(), "stderr": result.stderr.encode(),

@@ -4,7 +4,7 @@ import json
 import os
 import subprocess
 
-from conftest import PROJECT_DIR, TINY, TORCHRUN, run_cli, subprocess_env
+from support import PROJECT_DIR, TINY, TORCHRUN, assert_ok, run_cli, subprocess_env
 
 from reporting import read_metrics
 
@@ -16,7 +16,7 @@ def test_three_processes_average_exactly_or_fall_back_together_and_leave_no_file
            str(shm_dir), str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True,
                           timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_ok(proc)
     results = json.loads(out.read_text())
 
     ok = results["ok"]
@@ -37,7 +37,7 @@ def test_training_through_shared_memory_equals_gloo_bit_for_bit(tmp_path):
                 f"trainer_config.shared_memory_allreduce={shm}", f"hydra.run.dir={tmp_path / ('run_' + shm)}",
                 f"trainer_config.snapshot_path={tmp_path / ('snaps_' + shm)}"]
         proc = run_cli(args, tmp_path, nproc=2)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert_ok(proc)
         runs[shm] = proc.stdout + proc.stderr
         assert read_metrics(tmp_path / f"run_{shm}")
     assert "gradients are averaged through shared memory (/dev/shm)" in runs["true"]

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_DIR, TINY, subprocess_env, wait_for
+from support import PROJECT_DIR, TINY, subprocess_env, wait_for
 
 import snapshot
 

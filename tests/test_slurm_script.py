@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_DIR, wait_for
+from support import PROJECT_DIR, assert_ok, wait_for
 
 SCRIPT = PROJECT_DIR / "slurm" / "sbatch_run.sh"
 FINISHED = '{\n  "steps": 40,\n  "finished": true,\n  "val_loss": 2.1\n}\n'
@@ -69,7 +69,7 @@ def test_script_parses_and_requests_gpus():
 )
 def test_workers_per_node_follow_the_allocation(tmp_path, env_vars, nproc):
     proc, srun = run_script(tmp_path, **env_vars)
-    assert proc.returncode == 0, proc.stderr
+    assert_ok(proc)
     assert srun == [
         "--kill-on-bad-exit=0", "python3", "slurm/torchrun_agent.py", "--nnodes=2", f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d", "--rdzv-endpoint=node-a:29500", "--rdzv-id=4242", "--max-restarts=3", "main.py",

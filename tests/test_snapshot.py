@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import PROJECT_DIR
+from support import PROJECT_DIR, assert_ok
 
 import snapshot as snap
 from errors import UsageError
@@ -190,7 +190,7 @@ def test_cli_info_and_list(tmp_path):
                               text=True, timeout=60)
 
     info = run("info", str(tmp_path / snap.snapshot_name(10)))
-    assert info.returncode == 0, info.stderr
+    assert_ok(info)
     summary = json.loads(info.stdout)
     for key in ("format_version", "epoch", "step", "world_size", "n_params", "vocab_size", "val_loss",
                 "created_at", "weights_sha256"):

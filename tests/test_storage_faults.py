@@ -23,7 +23,7 @@ import boto3
 import pytest
 import s3fs
 import torch
-from conftest import PROJECT_DIR, PYTHON, TINY, free_port, logged_step, subprocess_env, wait_for
+from support import PROJECT_DIR, PYTHON, TINY, assert_ok, free_port, logged_step, subprocess_env, wait_for
 
 import snapshot as snap
 from errors import UsageError
@@ -443,7 +443,7 @@ def test_full_disk_then_read_only_disk_fail_clearly_and_keep_the_previous_snapsh
 
     # Read-only: refused before training starts.
     done = _mount("-o", "remount,ro", str(small_tmpfs))
-    assert done.returncode == 0, done.stderr
+    assert_ok(done)
     start = time.perf_counter()
     code, out, err = run_main(args, tmp_path, "read-only")
     assert code == 2 and len(err) == 1, out[-3000:] + "\n".join(err)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_DIR
+from support import PROJECT_DIR, assert_ok
 
 MODULES = sorted(PROJECT_DIR.glob("*.py"))
 
@@ -21,7 +21,7 @@ def test_ruff_finds_nothing():
     if not Path(ruff).exists():
         pytest.skip("ruff is not installed (requirements-test.txt has it)")
     result = subprocess.run([ruff, "check", "--no-cache", "."], cwd=PROJECT_DIR, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-3000:]
+    assert_ok(result)
 
 
 def definitions(tree: ast.Module):

@@ -10,7 +10,7 @@ import termios
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_DIR, PYTHON, TINY, run_cli, subprocess_env
+from support import PROJECT_DIR, PYTHON, TINY, assert_ok, run_cli, subprocess_env
 
 import plot
 from reporting import read_metrics
@@ -21,7 +21,7 @@ def trained(tmp_path_factory) -> Path:
     """One tiny single-process run shared by the tests that only look at its results."""
     tmp = tmp_path_factory.mktemp("trained")
     result = run_cli([*TINY, f"hydra.run.dir={tmp / 'run'}", f"trainer_config.snapshot_path={tmp / 'snaps'}"], tmp)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_ok(result)
     (tmp / "stdout.txt").write_text(result.stdout)
     return tmp
 
@@ -68,7 +68,7 @@ def test_plain_lines_when_output_is_not_a_terminal(trained):
 
 def test_progress_can_be_switched_off(tmp_path):
     result = run_cli([*TINY, "trainer_config.progress=off", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_ok(result)
     assert "| loss" not in result.stdout and "%|" not in result.stdout
     assert "val loss" in result.stdout and "step 40/40 |" in (tmp_path / "run" / "train.log").read_text()
 
@@ -118,7 +118,7 @@ def test_sample_is_deterministic_for_a_seed(trained, tmp_path):
     again = sample(f"snapshot={snaps / 'snapshot-000000040.pt'}", "prompt=ROMEO:", "max_new_tokens=80", "seed=3",
                    cwd=tmp_path)
     other = sample(f"snapshot={snaps}", "prompt=ROMEO:", "max_new_tokens=80", "seed=4", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
+    assert_ok(first)
     assert first.stdout.startswith("ROMEO:") and len(first.stdout.rstrip("\n")) == len("ROMEO:") + 80
     assert first.stdout == again.stdout and first.stdout != other.stdout
     assert not (tmp_path / "outputs").exists()  # sampling leaves no files behind
@@ -129,7 +129,7 @@ def test_sample_options(trained, tmp_path):
     prompt.write_text("KING:\n", encoding="utf-8")
     result = sample(f"snapshot={trained / 'snaps'}", f"prompt_file={prompt}", "num_samples=2",
                     "max_new_tokens=30", "top_k=null", "temperature=1.2", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
+    assert_ok(result)
     texts = result.stdout.split("\n" + "-" * 40 + "\n")
     assert len(texts) == 2 and all(t.startswith("KING:\n") for t in texts) and texts[0] != texts[1]
 
@@ -163,7 +163,7 @@ def test_help_describes_groups_and_fields(tmp_path):
 def test_cfg_job_prints_the_resolved_config(tmp_path):
     result = subprocess.run([PYTHON, str(PROJECT_DIR / "main.py"), "preset=cpu", "gpt_config.n_layer=3", "--cfg",
                              "job"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
+    assert_ok(result)
     assert "trainer_config:" in result.stdout and "n_layer: 3" in result.stdout and "n_embd: 128" in result.stdout
     assert not (tmp_path / "outputs").exists()
 
@@ -176,7 +176,7 @@ def test_multirun_sweep_gives_each_job_its_own_run_dir_and_snapshots(tmp_path):
          f"hydra.sweep.dir={tmp_path / 'sweep'}"],
         capture_output=True, text=True, timeout=240, cwd=tmp_path, env=subprocess_env(tmp_path),
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_ok(result)
     jobs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir())
     assert [j.name for j in jobs] == ["0", "1"], result.stdout[-3000:] + result.stderr[-3000:]
     lrs = [read_metrics(j)[0]["lr"] for j in jobs]
