@@ -127,3 +127,28 @@ def assert_one_error_line(proc: subprocess.CompletedProcess, pattern: str = "") 
     assert proc.returncode != 0 and len(lines) == 1, f"exit {proc.returncode}:\n{(proc.stderr or '')[-3000:]}"
     assert re.match(rf"(\[rank \d+\] )?error: .*{pattern}", lines[0]), lines[0]
     return lines[0]
+
+
+class S3Server:
+    """moto's S3 server (its standalone server: real HTTP) on 127.0.0.1, on a port of its own that a test may stop and
+    start again. moto keeps buckets and objects in this process, so they survive a restart, as a real store's would.
+    `env` is what a process needs to reach it (endpoint, credentials, region; no EC2 metadata lookups)."""
+
+    def __init__(self, credentials: dict[str, str]) -> None:
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.env = {"AWS_ENDPOINT_URL": self.endpoint, **credentials, "AWS_REGION": "us-east-1",
+                    "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+        self._server = None
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+

@@ -7,44 +7,9 @@ import signal
 import subprocess
 import sys
 
-import boto3
-import pytest
-from support import PROJECT_DIR, TINY, assert_ok, child_pids, free_port, logged_step, run_cli, start_cli, wait_for
+from support import PROJECT_DIR, TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
 
 import snapshot as snap
-
-moto_server = pytest.importorskip("moto.server")
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()  # even when a test failed
-
-
-@pytest.fixture
-def s3_env(s3_endpoint, monkeypatch):
-    values = {
-        "AWS_ENDPOINT_URL": s3_endpoint,
-        "AWS_ACCESS_KEY_ID": "test-access-key-id",
-        "AWS_SECRET_ACCESS_KEY": "test-secret-access-key",
-        "AWS_REGION": "us-east-1",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-    for key, value in values.items():
-        monkeypatch.setenv(key, value)  # inherited by the training processes
-    return values
-
-
-@pytest.fixture
-def s3(s3_env):
-    return boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"])
 
 
 def args_for(url: str, run_dir, max_steps: int) -> list[str]:
@@ -93,7 +58,7 @@ def test_missing_bucket_fails_fast_and_is_not_created(tmp_path, s3):
     assert "no-such-bucket" not in [b["Name"] for b in s3.list_buckets()["Buckets"]]
 
 
-def test_credentials_in_storage_options_are_not_written_anywhere(tmp_path, s3, s3_env):
+def test_credentials_in_storage_options_are_not_written_anywhere(tmp_path, s3):
     s3.create_bucket(Bucket="secret")
     key, secret = "AKIDSECRETKEYID0001", "super/secret+value/0002"
     options = f"trainer_config.snapshot_storage_options={{key:'{key}',secret:'{secret}'}}"

@@ -19,7 +19,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import boto3
 import pytest
 import s3fs
 import torch
@@ -28,53 +27,7 @@ from support import PROJECT_DIR, PYTHON, TINY, assert_ok, free_port, logged_step
 import snapshot as snap
 from errors import UsageError
 
-moto_server = pytest.importorskip("moto.server")
-
 SNAPSHOT_BYTES_MAX = 400_000  # a TINY snapshot is ~358 KB; the file-size limit and the tmpfs size depend on it
-
-
-class RestartableS3:
-    """moto's S3 server on a fixed port that a test stops and starts again. moto keeps buckets and objects in this
-    process, so they survive a restart, as a real store's would."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self._server = None
-
-    def start(self) -> None:
-        self._server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self._server.start()
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
-
-
-@pytest.fixture
-def s3_server(monkeypatch):
-    server = RestartableS3()
-    for key, value in {
-        "AWS_ENDPOINT_URL": server.endpoint,
-        "AWS_ACCESS_KEY_ID": "test-access-key-id",
-        "AWS_SECRET_ACCESS_KEY": "test-secret-access-key",
-        "AWS_REGION": "us-east-1",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }.items():
-        monkeypatch.setenv(key, value)  # inherited by the training processes
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-        s3fs.S3FileSystem.clear_instance_cache()  # in-process stores must not outlive this endpoint
-
-
-@pytest.fixture
-def s3(s3_server):
-    return boto3.client("s3", endpoint_url=s3_server.endpoint)
 
 
 def objects(s3, bucket: str) -> dict[str, bytes]:
