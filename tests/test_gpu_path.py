@@ -15,7 +15,7 @@ from errors import UsageError
 from model import GPT, GPTConfig
 from optim import OptimizerConfig, build_optimizer, learning_rate
 from reporting import read_metrics
-from trainer import Trainer, TrainerConfig, resolve_precision
+from trainer import Trainer, TrainerConfig, resolve_precision, validation_loss
 
 CUDA = torch.device("cuda", 0)
 
@@ -65,8 +65,7 @@ def test_batches_are_one_contiguous_window_block(workers):
     trainer = make_trainer(data_loader_workers=workers)
     trainer.sampler.set_epoch(0)
     indices = next(iter(torch.utils.data.BatchSampler(trainer.sampler, 8, drop_last=True)))
-    trainer._start_epoch()
-    windows = next(trainer._batches)
+    windows = next(trainer.epoch_batches())
     assert windows.shape == (8, 17) and windows.is_contiguous()
     x, y = trainer.split(windows)
     want_x, want_y = trainer.train_loader.dataset.dataset.__getitems__(indices)
@@ -84,7 +83,8 @@ def test_data_loader_workers_train_the_same_weights():
             trainer.train_step()
     for a, b in zip(in_process.raw_model.parameters(), loader.raw_model.parameters()):
         assert torch.equal(a, b)
-    assert in_process._evaluate() == loader._evaluate()
+    evaluate = lambda t: validation_loss(t.eval_model, t.val_loader, None, t.ctx, t.split, t.autocast)  # noqa: E731
+    assert evaluate(in_process) == evaluate(loader)
 
 
 def precision_run(tmp_path, precision: str, max_steps: int, run: str):
