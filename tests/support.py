@@ -52,13 +52,25 @@ def own_snapshots(tmp_path: Path) -> list[str]:
     return [f"trainer_config.snapshot_path={tmp_path / 'snapshots'}"]
 
 
+def cli(args: list[str], torchrun: list[str] | None = None, script: str = "main.py") -> list[str]:
+    """The command line of one of the project's tools: `python SCRIPT ARGS`, or with `torchrun` (its own
+    arguments, e.g. ["--standalone", "--nproc_per_node=2"]) `torchrun ... SCRIPT ARGS`. Every test builds its
+    commands here."""
+    launcher = [PYTHON] if torchrun is None else [*TORCHRUN, *torchrun]
+    return [*launcher, str(PROJECT_DIR / script), *args]
+
+
+def standalone(nproc: int, *more: str) -> list[str]:
+    """torchrun's arguments for one node of `nproc` workers."""
+    return ["--standalone", f"--nproc_per_node={nproc}", *more]
+
+
 def run_cli(
     args: list[str], tmp_path: Path, nproc: int | None = None, timeout: float = 240
 ) -> subprocess.CompletedProcess:
     """`python main.py ARGS` (nproc None) or `torchrun --standalone --nproc_per_node=N main.py ARGS`."""
-    launcher = [PYTHON] if nproc is None else [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}"]
     return subprocess.run(
-        [*launcher, str(PROJECT_DIR / "main.py"), *own_snapshots(tmp_path), *args],
+        cli([*own_snapshots(tmp_path), *args], None if nproc is None else standalone(nproc)),
         cwd=tmp_path,  # not the project: relative data paths must still resolve against the project
         env=subprocess_env(tmp_path),
         capture_output=True,
@@ -74,9 +86,9 @@ def start_cli(args: list[str], tmp_path: Path, nproc: int, max_restarts: int = 0
     """Start `torchrun --standalone` in the background; its output goes to tmp_path/log_name."""
     env = subprocess_env(tmp_path)
     env.update(extra_env or {})
-    launcher = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}"]
+    command = cli([*own_snapshots(tmp_path), *args], standalone(nproc, f"--max-restarts={max_restarts}"))
     return subprocess.Popen(
-        [*launcher, str(PROJECT_DIR / "main.py"), *own_snapshots(tmp_path), *args], cwd=tmp_path, env=env,
+        command, cwd=tmp_path, env=env,
         stdout=(tmp_path / log_name).open("w"), stderr=subprocess.STDOUT, text=True,
     )
 

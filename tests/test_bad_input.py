@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from support import PROJECT_DIR, PYTHON, TINY, TORCHRUN, assert_ok, free_port, subprocess_env
+from support import PROJECT_DIR, TINY, assert_ok, cli, free_port, standalone, subprocess_env
 
 import snapshot as snap
 
@@ -34,9 +34,9 @@ def trained(tmp_path_factory) -> Path:
     home = tmp_path_factory.mktemp("trained")
     snaps = home / "snaps"
     result = subprocess.run(
-        [PYTHON, str(PROJECT_DIR / "main.py"), *TINY, "trainer_config.max_steps=10",
-         "trainer_config.save_every_steps=5", "trainer_config.eval_every_steps=10", "trainer_config.eval_batches=1",
-         f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={home / 'run'}"],
+        cli([*TINY, "trainer_config.max_steps=10", "trainer_config.save_every_steps=5",
+             "trainer_config.eval_every_steps=10", "trainer_config.eval_batches=1",
+             f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={home / 'run'}"]),
         cwd=home, env=subprocess_env(home), capture_output=True, text=True, timeout=600,
     )
     assert_ok(result)
@@ -275,13 +275,12 @@ CASES: dict[str, Case] = {
 
 def command(case: Case, args: list[str], d: Path, snaps: Path) -> list[str]:
     if case.tool == "sample":
-        return [PYTHON, str(PROJECT_DIR / "sample.py"), *args, "max_new_tokens=5"]
+        return cli([*args, "max_new_tokens=5"], script="sample.py")
     if case.tool in ("info", "list"):
-        return [PYTHON, str(PROJECT_DIR / "snapshot.py"), case.tool, *args]
-    launcher = [PYTHON] if case.tool == "main" else [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
-    return [*launcher, str(PROJECT_DIR / "main.py"), *TINY, "trainer_config.max_steps=10",
-            "trainer_config.progress=off", f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={d / 'run'}",
-            *args]
+        return cli([case.tool, *args], script="snapshot.py")
+    return cli([*TINY, "trainer_config.max_steps=10", "trainer_config.progress=off",
+                f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={d / 'run'}", *args],
+               standalone(2) if case.tool == "torchrun" else None)
 
 
 def folder_contents(folder: Path) -> dict[str, bytes | dict]:

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from support import PROJECT_DIR, TINY, TORCHRUN, assert_ok, subprocess_env
+from support import PROJECT_DIR, TINY, assert_ok, cli, standalone, subprocess_env
 
 
 def check_result(result: dict, world_size: int) -> None:
@@ -38,8 +38,7 @@ def test_bench_single_process_with_snapshots_and_baseline(tmp_path):
 
 def test_bench_under_torchrun_with_scaling(tmp_path):
     proc = subprocess.run(
-        [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(PROJECT_DIR / "bench.py"), "--steps", "4",
-         "--warmup", "1", "--scaling", *TINY],
+        cli(["--steps", "4", "--warmup", "1", "--scaling", *TINY], standalone(2), script="bench.py"),
         cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120,
     )
     assert_ok(proc)

@@ -13,7 +13,15 @@ import subprocess
 
 import pytest
 import torch.distributed as dist
-from support import PROJECT_DIR, PYTHON, TINY, TORCHRUN, child_pids, free_port, logged_step, subprocess_env, wait_for
+from support import (
+    TINY,
+    child_pids,
+    cli,
+    free_port,
+    logged_step,
+    subprocess_env,
+    wait_for,
+)
 
 import snapshot as snapshot_format
 from reporting import read_metrics
@@ -27,15 +35,13 @@ RDZV_CONF = "last_call_timeout=3,join_timeout=60,keep_alive_interval=1,keep_aliv
 def elastic_agent(tmp_path, name, port, is_host, env, extra_args=(), max_restarts=3):
     """One node: the README's elastic command; `is_host` pins which agent hosts the rendezvous store (the one the
     test keeps), `keep_alive_*` make the lost node's heartbeat expire in 3 s, not 15."""
-    command = [
-        *TORCHRUN, "--nnodes=1:2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=elastic", f"--max-restarts={max_restarts}",
-        f"--rdzv_conf={RDZV_CONF},is_host={str(is_host).lower()}",
-        str(PROJECT_DIR / "main.py"), *TINY, f"trainer_config.max_steps={MAX_STEPS}",
-        "trainer_config.log_every_steps=1",
-        "trainer_config.save_every_steps=4", "trainer_config.eval_every_steps=100000",
-        f"trainer_config.snapshot_path={tmp_path / 'snaps'}", f"hydra.run.dir={tmp_path / 'run'}", *extra_args,
-    ]
+    torchrun = ["--nnodes=1:2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                "--rdzv_id=elastic", f"--max-restarts={max_restarts}",
+                f"--rdzv_conf={RDZV_CONF},is_host={str(is_host).lower()}"]
+    command = cli([*TINY, f"trainer_config.max_steps={MAX_STEPS}", "trainer_config.log_every_steps=1",
+                   "trainer_config.save_every_steps=4", "trainer_config.eval_every_steps=100000",
+                   f"trainer_config.snapshot_path={tmp_path / 'snaps'}", f"hydra.run.dir={tmp_path / 'run'}",
+                   *extra_args], torchrun)
     log = (tmp_path / f"{name}.log").open("w")
     return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -129,8 +135,7 @@ def fake_worker(tmp_path, rank, port, agent_store, group_rank=None):
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": str(agent_store),
            "GROUP_RANK": str(rank if group_rank is None else group_rank), "MINGPT_MEET_TIMEOUT_S": "3"}
     return subprocess.run(
-        [PYTHON, str(PROJECT_DIR / "main.py"), *TINY, f"trainer_config.snapshot_path={tmp_path / 'snaps'}",
-         f"hydra.run.dir={tmp_path / 'run'}"],
+        cli([*TINY, f"trainer_config.snapshot_path={tmp_path / 'snaps'}", f"hydra.run.dir={tmp_path / 'run'}"]),
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )
 

@@ -8,7 +8,7 @@ import re
 import subprocess
 import time
 
-from support import PROJECT_DIR, PYTHON, subprocess_env
+from support import cli, subprocess_env
 
 from reporting import read_metrics
 
@@ -42,7 +42,7 @@ def test_long_run_keeps_memory_flat_and_keep_last_snapshots(tmp_path):
     ]
     env = subprocess_env(tmp_path)
     env["OMP_NUM_THREADS"] = "1"
-    job = subprocess.Popen([PYTHON, str(PROJECT_DIR / "main.py"), *args], cwd=tmp_path, env=env,
+    job = subprocess.Popen(cli(args), cwd=tmp_path, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rss, most_snapshots, last_step, samples = {}, 0, 0, []
     try:

@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 
-from support import PROJECT_DIR, TINY, TORCHRUN, child_pids, subprocess_env, wait_for
+from support import TINY, child_pids, cli, standalone, subprocess_env, wait_for
 
 from reporting import read_metrics
 
@@ -21,8 +21,7 @@ def test_ten_sigkilled_workers_in_a_row_all_come_back(tmp_path):
             f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}"]
     env = subprocess_env(tmp_path)
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # as users type it
-    command = [*TORCHRUN, "--standalone", "--nproc_per_node=2", f"--max-restarts={KILLS}",
-               str(PROJECT_DIR / "main.py"), *args]
+    command = cli(args, standalone(2, f"--max-restarts={KILLS}"))
     log_path = tmp_path / "launch.log"
     with log_path.open("w") as log:
         job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)

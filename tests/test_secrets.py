@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import PROJECT_DIR, PYTHON, TINY, assert_ok, run_cli, subprocess_env
+from support import PROJECT_DIR, PYTHON, TINY, assert_ok, cli, run_cli, subprocess_env
 from test_snapshot import make_snapshot
 
 import snapshot as snap
@@ -84,8 +84,8 @@ def test_a_sweep_does_not_save_storage_options_in_multirun_yaml(tmp_path):
     password, token = OPTION_SECRETS
     sweep = tmp_path / "sweep"
     result = subprocess.run(
-        [PYTHON, str(PROJECT_DIR / "main.py"), "-m", "data_config.path=no-such-file.txt", f"hydra.sweep.dir={sweep}",
-         f"trainer_config.snapshot_storage_options={{password:'{password}',token:'{token}'}}"],
+        cli(["-m", "data_config.path=no-such-file.txt", f"hydra.sweep.dir={sweep}",
+             f"trainer_config.snapshot_storage_options={{password:'{password}',token:'{token}'}}"]),
         cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2 and "data file not found" in result.stderr, result.stderr[-3000:]

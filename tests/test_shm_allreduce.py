@@ -4,7 +4,7 @@ import json
 import os
 import subprocess
 
-from support import PROJECT_DIR, TINY, TORCHRUN, assert_ok, run_cli, subprocess_env
+from support import TINY, assert_ok, cli, run_cli, standalone, subprocess_env
 
 from reporting import read_metrics
 
@@ -12,8 +12,7 @@ from reporting import read_metrics
 def test_three_processes_average_exactly_or_fall_back_together_and_leave_no_files(tmp_path):
     shm_dir, out = tmp_path / "shm", tmp_path / "result.json"
     shm_dir.mkdir()
-    cmd = [*TORCHRUN, "--standalone", "--nproc_per_node=3", str(PROJECT_DIR / "tests" / "shm_worker.py"),
-           str(shm_dir), str(out)]
+    cmd = cli([str(shm_dir), str(out)], standalone(3), script="tests/shm_worker.py")
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True,
                           timeout=180)
     assert_ok(proc)

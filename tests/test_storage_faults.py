@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import s3fs
 import torch
-from support import PROJECT_DIR, PYTHON, TINY, assert_ok, free_port, logged_step, subprocess_env, wait_for
+from support import TINY, assert_ok, cli, free_port, logged_step, subprocess_env, wait_for
 
 import snapshot as snap
 from errors import UsageError
@@ -59,7 +59,7 @@ def start_main(args: list[str], tmp_path: Path, name: str, max_file_bytes: int |
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, resource.RLIM_INFINITY))
 
     return subprocess.Popen(
-        [PYTHON, str(PROJECT_DIR / "main.py"), *args], cwd=tmp_path, env=subprocess_env(tmp_path),
+        cli(args), cwd=tmp_path, env=subprocess_env(tmp_path),
         stdout=(tmp_path / f"{name}.out").open("w"), stderr=(tmp_path / f"{name}.err").open("w"), text=True,
         preexec_fn=limit_file_size if max_file_bytes else None,
     )

@@ -10,7 +10,7 @@ import termios
 from pathlib import Path
 
 import pytest
-from support import PROJECT_DIR, PYTHON, TINY, assert_ok, run_cli, subprocess_env
+from support import PROJECT_DIR, PYTHON, TINY, assert_ok, cli, run_cli, subprocess_env
 
 import plot
 from reporting import read_metrics
@@ -30,7 +30,7 @@ def run_in_terminal(args: list[str], cwd: Path, timeout: float = 120) -> str:
     """Run main.py with stdout and stderr on a pseudo-terminal (140 columns) and return what it showed."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))
-    proc = subprocess.Popen([PYTHON, str(PROJECT_DIR / "main.py"), *args], cwd=cwd, env=subprocess_env(cwd),
+    proc = subprocess.Popen(cli(args), cwd=cwd, env=subprocess_env(cwd),
                             stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
     os.close(slave)
     output = b""
@@ -152,7 +152,7 @@ def test_sample_errors_are_one_line(trained, tmp_path, args, message):
 
 
 def test_help_describes_groups_and_fields(tmp_path):
-    result = subprocess.run([PYTHON, str(PROJECT_DIR / "main.py"), "--help"], capture_output=True, text=True,
+    result = subprocess.run(cli(["--help"]), capture_output=True, text=True,
                             timeout=60, cwd=tmp_path)
     assert result.returncode == 0
     assert "preset: cpu, nanogpt_cpu" in result.stdout
@@ -161,8 +161,8 @@ def test_help_describes_groups_and_fields(tmp_path):
 
 
 def test_cfg_job_prints_the_resolved_config(tmp_path):
-    result = subprocess.run([PYTHON, str(PROJECT_DIR / "main.py"), "preset=cpu", "gpt_config.n_layer=3", "--cfg",
-                             "job"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    result = subprocess.run(cli(["preset=cpu", "gpt_config.n_layer=3", "--cfg", "job"]), capture_output=True,
+                            text=True, timeout=60, cwd=tmp_path)
     assert_ok(result)
     assert "trainer_config:" in result.stdout and "n_layer: 3" in result.stdout and "n_embd: 128" in result.stdout
     assert not (tmp_path / "outputs").exists()
@@ -171,9 +171,8 @@ def test_cfg_job_prints_the_resolved_config(tmp_path):
 def test_multirun_sweep_gives_each_job_its_own_run_dir_and_snapshots(tmp_path):
     snaps = tmp_path / "snaps"
     result = subprocess.run(
-        [PYTHON, str(PROJECT_DIR / "main.py"), "-m", *TINY, "optimizer_config.learning_rate=1e-3,3e-3",
-         "trainer_config.max_steps=10", f"trainer_config.snapshot_path={snaps}",
-         f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        cli(["-m", *TINY, "optimizer_config.learning_rate=1e-3,3e-3", "trainer_config.max_steps=10",
+             f"trainer_config.snapshot_path={snaps}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]),
         capture_output=True, text=True, timeout=240, cwd=tmp_path, env=subprocess_env(tmp_path),
     )
     assert_ok(result)
