@@ -255,7 +255,7 @@ def time_training(args, cfg, corpus: CharCorpus, ctx: DistContext, trainer: Trai
                              "run bench.py under torchrun")
         solo = None
         if ctx.is_main:
-            alone = DistContext(device=ctx.device)  # no process group: no DDP, no collectives
+            alone = DistContext.single_process(ctx.device)  # no DDP, no collectives
             solo = main.build_trainer(cfg, corpus, alone, run_dir=None, with_snapshots=False)
         time_scaling(trainer, solo, args.warmup)
         times, solo_times = time_scaling(trainer, solo, args.steps)

@@ -264,9 +264,13 @@ def help_text() -> str:
         "",
         f"Fields ({CONFIG_NAME}.yaml):",
     ]
-    defaults = yaml_fields(PROJECT_DIR / f"{CONFIG_NAME}.yaml")
+    defaults = OmegaConf.load(PROJECT_DIR / f"{CONFIG_NAME}.yaml")  # the YAML's values, read as YAML
     for section, schema in section_schemas().items():
         lines.append(f"  {section}")
         for key, description in field_help(schema).items():
-            lines.append(f"    {key:<26} {defaults[section][key][0]:<18} {description}")
+            lines.append(f"    {key:<26} {_as_yaml(defaults[section][key]):<18} {description}")
     return "\n".join(lines)
+
+
+def _as_yaml(value: Any) -> str:
+    return OmegaConf.to_yaml({"v": value}).strip().removeprefix("v:").strip()

@@ -310,6 +310,11 @@ class DistContext:
     device: torch.device = torch.device("cpu")
     group: Optional[dist.ProcessGroup] = None
 
+    @classmethod
+    def single_process(cls, device: torch.device) -> DistContext:
+        """A process on its own: no process group, no collectives."""
+        return cls(device=device)
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0
@@ -337,7 +342,7 @@ def setup_distributed() -> DistContext:
     """Join the process group torchrun describes in the environment; without RANK, run as a single process."""
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
-        return DistContext(device=torch.device("cuda:0" if cuda else "cpu"))
+        return DistContext.single_process(torch.device("cuda:0" if cuda else "cpu"))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     meet = _meet_timeout()  # how long the ranks may take to meet, then one line instead of a hang
