@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import PROJECT_DIR, TINY, subprocess_env, wait_for
+from support import PROJECT_DIR, TINY, free_port, subprocess_env, wait_for
 
 import snapshot
 
@@ -38,7 +38,8 @@ class Job:
         self.run_dir, self.snapshots = folder / "run", folder / "snapshots"
         env = subprocess_env(folder)
         env.update({"PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "PYTHON": sys.executable,
-                    "NPROC_PER_NODE": "2", "SNAPSHOT_PATH": str(self.snapshots), "RUN_DIR": str(self.run_dir)})
+                    "NPROC_PER_NODE": "2", "SNAPSHOT_PATH": str(self.snapshots), "RUN_DIR": str(self.run_dir),
+                    "RDZV_PORT": str(free_port())})  # not 29500, which anything on the machine may hold
         self.id = cluster.sbatch(
             "--gpus-per-node=0", f"--output={self.output}", *sbatch_args, "slurm/sbatch_run.sh", *TRAINING,
             env=env, cwd=PROJECT_DIR,
