@@ -88,12 +88,13 @@ def test_a_job_at_its_time_limit_requeues_itself_and_finishes(slurm_cluster, uni
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log
     requeues = int(info["Restarts"])
     assert requeues >= 1, log
-    # every allocation but the last was stopped by the early signal and requeued the job; the workers saved a
-    # snapshot on the way out (in each allocation, unless the signal came before they had started training)
+    # Every allocation but the last was stopped by the early signal and requeued the job; the workers saved a
+    # snapshot on the way out and the next allocation resumed from it, unless the signal came before they had
+    # started training (seen once: SLURM signalled a job 0.16 s after starting it, though 60 s were left).
     assert log.count("SIGUSR1, the time limit is near") == requeues, log
     assert log.count("requeueing job") == requeues, log
     assert 1 <= log.count("saved (stop requested") <= requeues, log
-    assert log.count("resumed from") == requeues, log
+    assert 1 <= log.count("resumed from") <= requeues, log
     assert f"allocation={requeues + 1}" in log, log  # one output file for all allocations (--open-mode=append)
     assert "Traceback" not in log and "TIMEOUT" not in log, log
     assert_finished_like(job, uninterrupted["summary"])
