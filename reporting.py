@@ -126,10 +126,10 @@ class Progress:
             self.bar = None
 
 
-def report_end(metrics: MetricsLog, digests: list[str], rank: int, **summary) -> None:
-    """The end of a fit: whether every rank ended with the same weights (their digests, in rank order), one line,
-    and summary.json beside metrics.jsonl (rank 0)."""
-    identical, digest, wall = len(set(digests)) == 1, digests[min(rank, len(digests) - 1)], summary["wall_time_s"]
+def report_end(metrics: MetricsLog, digest: str, digests: list[str], **summary) -> None:
+    """The end of a fit: whether every rank ended with the same weights (this rank's digest, and every rank's in
+    rank order), one line, and summary.json beside metrics.jsonl (rank 0)."""
+    identical, wall = len(set(digests)) == 1, summary["wall_time_s"]
     if not identical:
         log.error("replicas diverged: weight digests differ between ranks: %s", digests)
     elif not summary["finished"]:

@@ -517,9 +517,9 @@ class Trainer:
             if restored.world_size != self.ctx.world_size and self.ctx.is_main:  # one line for the job
                 log.warning("snapshot was written by %d process(es), resuming with %d: continuing at global sample "
                             "%d of epoch %d", restored.world_size, self.ctx.world_size, self.epoch_samples, self.epoch)
+            self.window.restart_clock(self.step)  # speed counts this process's steps from here
         else:
             self.window.reset(self.step)
-        self.window.restart_clock(self.step)  # speed counts this process's steps from here
         if self.step >= self.total_steps:
             log.info("nothing to train: the snapshot in %s is at step %d, the end of this run (max_steps=%s, "
                      "max_epochs=%d). To continue it, raise trainer_config.max_steps or trainer_config.max_epochs; to "
@@ -630,7 +630,7 @@ class Trainer:
 
     def _finish(self) -> None:
         """Collective. Every rank's weights compared, the last line, and the summary."""
-        digests = self.ctx.gather_objects(weights_sha256(self.raw_model.state_dict()))
-        report_end(self.metrics, digests, self.ctx.rank, steps=self.step, epochs_completed=self.epoch,
+        digest = weights_sha256(self.raw_model.state_dict())
+        report_end(self.metrics, digest, self.ctx.gather_objects(digest), steps=self.step, epochs_completed=self.epoch,
                    finished=not self.stopped_early, val_loss=self.last_val_loss,
                    wall_time_s=round(time.perf_counter() - self._fit_start, 2), world_size=self.ctx.world_size)

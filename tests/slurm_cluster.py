@@ -13,6 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from support import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel")
 REQUEUE_DELAY_S = 5  # how long a requeued job waits before it may start again (SLURM's default is 120 s)
 
@@ -25,12 +27,6 @@ def unavailable_reason() -> str | None:
     if os.geteuid() != 0:
         return "the test cluster's slurmd must run as root"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _binary(name: str) -> str:
@@ -139,8 +135,8 @@ class SlurmCluster:
         lines = [
             "ClusterName=mingpt-test",
             f"SlurmctldHost={self.node}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={free_port()}",
+            f"SlurmdPort={free_port()}",
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/munge",
