@@ -157,8 +157,8 @@ class NanoGPTLoop:
     per-parameter loop), `zero_grad(set_to_none=True)`, and `loss.item()` (its CPU recipe logs every step).
     Its GradScaler is disabled outside fp16 and its autocast is a null context in fp32, so both are left out.
     The model is this project's GPT, the same network as nanoGPT's (pre-LayerNorm, flash attention, exact GELU,
-    tied embeddings, no biases in the recipe). Windows are sliced from the encoded tensor, not from a NumPy
-    memmap converted per window as nanoGPT does, which if anything makes this loop a little faster than nanoGPT.
+    tied embeddings, no biases in the recipe). Windows are sliced from an int64 copy of the training ids, not from a
+    NumPy memmap converted per window as nanoGPT does, which if anything makes this loop a little faster than nanoGPT.
     """
 
     def __init__(self, cfg, corpus: CharCorpus) -> None:
@@ -173,7 +173,7 @@ class NanoGPTLoop:
         self.optimizer = torch.optim.AdamW(self.model.param_groups(oc.weight_decay), lr=oc.learning_rate,
                                            betas=(oc.beta1, oc.beta2), eps=oc.eps)
         self.learning_rate = oc.learning_rate
-        self.data = corpus.train_dataset().data
+        self.data = torch.from_numpy(corpus.train_dataset().data.astype("int64"))
         self.x, self.y = self._batch()
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:

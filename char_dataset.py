@@ -1,35 +1,48 @@
-"""Character-level data: read UTF-8 text through fsspec, build a vocabulary, serve (x, y) windows.
+"""Character-level data: UTF-8 text from files, folders, globs or fsspec URLs, encoded once into a token cache
+(token_cache.py), served as (x, y) windows of a memory map in an epoch order that needs no memory.
 
     >>> corpus = CharCorpus.load(DataConfig(path="data/input.txt", block_size=128))
     >>> train, val = corpus.train_dataset(), corpus.val_dataset()
-    >>> x, y = train[0]            # two int64 views of the encoded text, y shifted by one character
+    >>> x, y = train[0]            # int64 ids of block_size characters, y shifted by one character
 
 The text is split *before* windows are cut: the first `train_split` of the characters train, the rest validate,
-so no validation window shares a character with a training window. Knows nothing of ranks or models.
+so no validation window shares a character with a training window. The windows are read from a read-only
+memory map of the cache's token file, so a process's memory does not grow with the corpus and the ranks of a node
+share its pages. The epoch order (`EpochOrder`) is a keyed bijection on the window indices: a pure function of
+(seed, epoch), computed a block at a time. Knows nothing of ranks beyond which positions of the order are one's own.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Optional, Sequence
 
 import fsspec
+import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Sampler
 
-from errors import UsageError, first_line
+from errors import UsageError
+from token_cache import Tokens, default_cache_dir, encode_text, open_tokens
 
 PROJECT_DIR = Path(__file__).resolve().parent
 
 
 @dataclass
 class DataConfig:
-    """Where the text is and how it is cut into training windows."""
+    """Where the text is, how its files are joined, where the encoded cache lives, how windows are cut."""
 
     path: str = "data/input.txt"
-    """UTF-8 text: a local path (relative = to the project folder, not the cwd) or an fsspec URL"""
+    """UTF-8 text: a file, folder or glob, local (relative = to the project folder) or an fsspec URL (s3://b/x/*.txt)"""
+    separator: str = "\n"
+    """text put between two files of a folder or glob (joined in sorted order)"""
+    cache_dir: Optional[str] = None
+    """local folder of the encoded-corpus cache (relative = to the project); null = ~/.cache/mingpt-ddp/data"""
+    cache_timeout_s: float = 3600.0
+    """how long a process waits for another (local rank 0, another job) to build the cache"""
     block_size: int = 256
     """characters of context per training window"""
     train_split: float = 0.9
@@ -44,7 +57,17 @@ class DataConfig:
             raise UsageError(f"data_config.train_split must be in (0, 1), got {self.train_split}")
         if not 0.0 < self.truncate <= 1.0:
             raise UsageError(f"data_config.truncate must be in (0, 1], got {self.truncate}")
+        if not self.cache_timeout_s > 0:
+            raise UsageError(f"data_config.cache_timeout_s must be positive, got {self.cache_timeout_s}")
         check_location(self.path, "data_config.path")  # a malformed URL fails here, before Hydra makes a run folder
+        if self.cache_dir is not None and check_location(self.cache_dir, "data_config.cache_dir"):
+            raise UsageError(f"data_config.cache_dir must be a local folder (the cache is memory-mapped), got "
+                             f"{self.cache_dir!r}")
+
+    def cache_folder(self) -> Path:
+        if self.cache_dir is None:
+            return default_cache_dir()
+        return Path(resolve_path(self.cache_dir))
 
 
 # What starts a URL: a scheme (RFC 3986) and a colon. Such a location is parsed as a URL or refused; it is never
@@ -120,79 +143,50 @@ def resolve_path(path: str) -> str:
     return str(local if local.is_absolute() else PROJECT_DIR / local)
 
 
-def read_text(path: str) -> str:
-    """Read a whole UTF-8 text file from any fsspec location, with user-readable errors."""
-    url = resolve_path(path)
-    try:
-        with fsspec.open(url, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError as e:
-        cause = e.__cause__
-        if isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError):
-            # fsspec's HTTP filesystem reports an unreachable server as FileNotFoundError; say what really failed
-            raise _unreadable(url, cause) from None
-        raise UsageError(f"data file not found: {url}") from None
-    except Exception as e:  # no permission, unreachable server, missing credentials, unknown protocol, ...
-        raise _unreadable(url, e) from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"data file {url} is not UTF-8 text (invalid byte at offset {e.start})") from None
-
-
-def _unreadable(url: str, error: BaseException) -> UsageError:
-    # An error without any text still says what it is through its repr.
-    return UsageError(f"cannot read data file {url}: {type(error).__name__}: {first_line(error) or repr(error)}")
-
-
 class CharVocab:
     """Sorted set of characters <-> integer ids. Stored in snapshots as a plain string."""
 
     def __init__(self, chars: Sequence[str]) -> None:
         self.chars = "".join(sorted(set(chars)))
-        self._index = {ch: i for i, ch in enumerate(self.chars)}
 
     def __len__(self) -> int:
         return len(self.chars)
 
     def encode(self, text: str) -> torch.Tensor:
-        unknown = sorted(set(text) - self._index.keys())
-        if unknown:
-            raise UsageError(f"characters not in the vocabulary: {''.join(unknown)!r}")
-        return torch.tensor([self._index[ch] for ch in text], dtype=torch.long)
+        return torch.from_numpy(encode_text(text, self.chars).astype(np.int64))
 
-    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
-        if isinstance(ids, torch.Tensor):
+    def decode(self, ids: Sequence[int] | torch.Tensor | np.ndarray) -> str:
+        if isinstance(ids, (torch.Tensor, np.ndarray)):
             ids = ids.tolist()
         return "".join(self.chars[i] for i in ids)
 
 
 class CharDataset(Dataset):
-    """Windows of `block_size + 1` consecutive characters of one encoded split, starting every `stride` characters.
+    """Windows of `block_size + 1` consecutive ids of one split, starting every `stride` characters.
 
-    Item i is `(data[s : s + block_size], data[s + 1 : s + block_size + 1])` with `s = i * stride`, two views of the
-    same tensor. Training uses stride 1 (every position); evaluation uses stride `block_size`, so every character
-    is predicted exactly once.
-    `__getitems__` lets a DataLoader fetch a whole batch with one indexing operation instead of per-sample
-    Python work and collation; `windows` is the same batch before it is split into x and y.
+    Item i is `(data[s : s + block_size], data[s + 1 : s + block_size + 1])` with `s = i * stride`, as int64.
+    Training uses stride 1 (every position); evaluation uses stride `block_size`, so every character is predicted
+    exactly once. `data` is a 1-D array of ids (a memory map of the token cache, any numpy array, or a tensor).
+    `windows(indices)` gathers a whole batch with one indexing operation; `__getitems__` lets a DataLoader use it.
     """
 
-    def __init__(self, data: torch.Tensor, block_size: int, stride: int = 1) -> None:
-        if data.numel() < block_size + 1:
-            raise ValueError(f"{data.numel()} characters cannot make a window of {block_size + 1}")
+    def __init__(self, data: np.ndarray | torch.Tensor, block_size: int, stride: int = 1) -> None:
+        if isinstance(data, torch.Tensor):
+            data = data.numpy()
+        if len(data) < block_size + 1:
+            raise ValueError(f"{len(data)} characters cannot make a window of {block_size + 1}")
         self.data = data
         self.block_size = block_size
         self.stride = stride
-        self._offsets = torch.arange(block_size + 1)
+        self._offsets = np.arange(block_size + 1)
 
     def __len__(self) -> int:
-        return (self.data.numel() - self.block_size - 1) // self.stride + 1
+        return (len(self.data) - self.block_size - 1) // self.stride + 1
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(f"window {i} out of range for {len(self)} windows")
-        start = i * self.stride
-        window = self.data[start : start + self.block_size + 1]
+        window = self.windows([i])[0]
         return window[:-1], window[1:]
 
     def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,25 +194,39 @@ class CharDataset(Dataset):
         return windows[:, :-1], windows[:, 1:]
 
     def windows(self, indices: Sequence[int]) -> torch.Tensor:
-        """The windows `indices` as one contiguous (batch, block_size + 1) tensor, one gather: x = w[:, :-1] and
-        y = w[:, 1:]. What the trainer copies to the GPU (one pinned block; x and y are sliced there)."""
-        starts = torch.as_tensor(indices, dtype=torch.long) * self.stride
-        return self.data[starts[:, None] + self._offsets]
+        """The windows `indices` as one contiguous (batch, block_size + 1) int64 tensor, one gather: x = w[:, :-1]
+        and y = w[:, 1:]. What the trainer copies to the GPU (one pinned block; x and y are sliced there)."""
+        starts = np.asarray(indices, dtype=np.int64) * self.stride
+        return torch.from_numpy(np.asarray(self.data[starts[:, None] + self._offsets], dtype=np.int64))
+
+    def __getstate__(self) -> dict:
+        # A DataLoader worker started by spawn gets the memory map's file and place, not a copy of its contents.
+        state = dict(self.__dict__)
+        if isinstance(self.data, np.memmap):
+            state["data"] = (str(self.data.filename), self.data.dtype.str, self.data.offset, self.data.shape)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if isinstance(state["data"], tuple):
+            filename, dtype, offset, shape = state["data"]
+            state["data"] = np.memmap(filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=shape)
+        self.__dict__.update(state)
 
 
 class CharCorpus:
-    """The encoded text, its vocabulary, and the contiguous train/validation split."""
+    """The encoded text (a memory map of the token cache), its vocabulary, and the contiguous train/val split."""
 
-    def __init__(self, text: str, cfg: DataConfig, source: str = "<text>") -> None:
-        text = text[: int(len(text) * cfg.truncate)]
-        if not text:
+    def __init__(self, tokens: Tokens | np.ndarray, vocab: CharVocab, cfg: DataConfig, source: str = "<text>") -> None:
+        self.cfg, self.vocab, self.source = cfg, vocab, source
+        self.tokens = tokens if isinstance(tokens, Tokens) else None
+        total = tokens.n_tokens if isinstance(tokens, Tokens) else len(tokens)
+        self.n_tokens = int(total * cfg.truncate)
+        if self.n_tokens == 0:
             raise UsageError(f"data file {source} is empty")
-        self.cfg = cfg
-        self.vocab = CharVocab(text)
-        self.data = self.vocab.encode(text)
-        self.n_train = int(len(text) * cfg.train_split)
+        self._array = tokens if self.tokens is None else None
+        self.n_train = int(self.n_tokens * cfg.train_split)
         need = cfg.block_size + 1
-        for split, n in (("training", self.n_train), ("validation", len(text) - self.n_train)):
+        for split, n in (("training", self.n_train), ("validation", self.n_tokens - self.n_train)):
             if n < need:
                 raise UsageError(
                     f"data file {source} is too short: the {split} split has {n} characters but "
@@ -226,12 +234,135 @@ class CharCorpus:
                 )
 
     @classmethod
-    def load(cls, cfg: DataConfig) -> "CharCorpus":
-        return cls(read_text(cfg.path), cfg, source=resolve_path(cfg.path))
+    def load(cls, cfg: DataConfig, build: bool = True, progress=None, rebuild: bool = False) -> CharCorpus:
+        """The corpus of `cfg.path` from its cache, built here first if needed and `build` (main.py: on local
+        rank 0; the other ranks wait for it)."""
+        location = resolve_path(cfg.path)
+        tokens = open_tokens(location, cfg.separator, cfg.cache_folder(), build, cfg.cache_timeout_s, progress,
+                             rebuild)
+        return cls(tokens, CharVocab(tokens.vocab), cfg, source=location)
+
+    @classmethod
+    def from_text(cls, text: str, cfg: DataConfig) -> CharCorpus:
+        """A corpus of an in-memory text (no cache): tests and small experiments."""
+        vocab = CharVocab(text)
+        return cls(encode_text(text, vocab.chars), vocab, cfg)
+
+    def describe(self) -> str:
+        """What a run logs: characters, where from, vocabulary, cache folder."""
+        where = self.source
+        if self.tokens is not None and len(self.tokens.sources) > 1:
+            where = f"{len(self.tokens.sources)} files of {self.source}"
+        cache = f" (cache {self.tokens.path.parent})" if self.tokens is not None else ""
+        return f"{self.n_tokens:,} characters of {where}, vocabulary of {len(self.vocab)}{cache}"
+
+    def ids(self, start: int, stop: int) -> np.ndarray:
+        """The ids [start, stop) of the (truncated) corpus."""
+        if self.tokens is not None:
+            return self.tokens.array(start, stop - start)
+        return self._array[start:stop]
 
     def train_dataset(self) -> CharDataset:
-        return CharDataset(self.data[: self.n_train], self.cfg.block_size)
+        return CharDataset(self.ids(0, self.n_train), self.cfg.block_size)
 
     def val_dataset(self) -> CharDataset:
         """Non-overlapping windows: each validation character is a target exactly once."""
-        return CharDataset(self.data[self.n_train :], self.cfg.block_size, stride=self.cfg.block_size)
+        return CharDataset(self.ids(self.n_train, self.n_tokens), self.cfg.block_size, stride=self.cfg.block_size)
+
+
+# ------------------------------------------------------------------------------------------------ the epoch order
+EPOCH_ORDER = "feistel-1"  # what snapshots record as `progress.epoch_order`
+LEGACY_ORDER = "randperm"  # snapshots written before it (no `epoch_order`): torch.randperm of the whole epoch
+_U64 = (1 << 64) - 1
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function: a strong 64-bit mixer (uint64 arithmetic wraps, shifts are logical)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+class EpochOrder:
+    """The order of one epoch: a keyed pseudorandom bijection of [0, n), position -> window index.
+
+    A balanced Feistel network on 2h bits (the smallest h with 4^h >= n) is a bijection of [0, 4^h) for any round
+    function; cycle walking (applying it again while the result is >= n) restricts it to a bijection of [0, n),
+    with fewer than 4 applications on average since 4^h < 4n. The round keys come from (seed, epoch) alone. Memory
+    O(1), the same cost for every position, any position directly: no permutation is ever materialised.
+    """
+
+    ROUNDS = 6
+
+    def __init__(self, n: int, seed: int, epoch: int) -> None:
+        if n <= 0:
+            raise ValueError(f"an epoch order needs at least one index, got {n}")
+        self.n = n
+        self.half = max(1, ((n - 1).bit_length() + 1) // 2)
+        self.mask = np.uint64((1 << self.half) - 1)
+        base = _splitmix64(np.array([(seed * 0x9E3779B97F4A7C15 + epoch) & _U64], dtype=np.uint64))
+        rounds = np.arange(1, self.ROUNDS + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        self.keys = [np.uint64(k) for k in _splitmix64(base + rounds)]
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """The window indices at `positions` (integers in [0, n)), as int64."""
+        out = self._permute(np.asarray(positions, dtype=np.uint64))
+        walking = np.flatnonzero(out >= self.n)
+        while walking.size:
+            out[walking] = self._permute(out[walking])
+            walking = walking[out[walking] >= self.n]
+        return out.astype(np.int64)
+
+    def _permute(self, x: np.ndarray) -> np.ndarray:
+        half = np.uint64(self.half)
+        left, right = x >> half, x & self.mask
+        for key in self.keys:
+            left, right = right, left ^ (_splitmix64(right ^ key) & self.mask)
+        return (left << half) | right
+
+
+class ResumableDistributedSampler(Sampler[int]):
+    """This rank's share of an epoch's order, from a global position in it.
+
+    The order depends only on (seed, epoch), never on the world size; rank r takes positions start + r,
+    start + r + W, ... so the first k*W positions are exactly the samples consumed after k per-rank samples, and a
+    resume at position p skips nothing by iterating and stays valid with a different number of processes. Like
+    DistributedSampler, every rank gets the same count: positions past the end wrap to the start of what was left.
+    Indices are computed a block at a time: memory independent of the number of windows.
+    """
+
+    BLOCK = 4096
+
+    def __init__(self, n: int, num_replicas: int, rank: int, seed: int) -> None:
+        self.n, self.num_replicas, self.rank, self.seed = n, num_replicas, rank, seed
+        self.epoch, self.start, self.order = 0, 0, EPOCH_ORDER
+
+    def set_epoch(self, epoch: int, start: int = 0, order: str = EPOCH_ORDER) -> None:
+        self.epoch, self.start, self.order = epoch, start, order
+
+    def _remaining(self) -> int:
+        return max(0, self.n - self.start)
+
+    def __len__(self) -> int:
+        return math.ceil(self._remaining() / self.num_replicas)
+
+    def __iter__(self) -> Iterator[int]:
+        if self.order == LEGACY_ORDER:
+            return self._legacy()
+        return self._blocks()
+
+    def _blocks(self) -> Iterator[int]:
+        order, remaining, count = EpochOrder(self.n, self.seed, self.epoch), self._remaining(), len(self)
+        for first in range(0, count, self.BLOCK):
+            positions = self.rank + np.arange(first, min(count, first + self.BLOCK), dtype=np.int64) * self.num_replicas
+            yield from order(self.start + positions % remaining).tolist()
+
+    def _legacy(self) -> Iterator[int]:
+        """The order before EPOCH_ORDER, for the rest of an epoch begun by an older snapshot (small corpora)."""
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=generator)[self.start :]
+        padding = len(self) * self.num_replicas - order.numel()
+        if padding:
+            order = torch.cat([order, order[:padding]])
+        return iter(order[self.rank :: self.num_replicas].tolist())

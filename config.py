@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,4 +274,6 @@ def help_text() -> str:
 
 
 def _as_yaml(value: Any) -> str:
+    if isinstance(value, str) and not value.isprintable():
+        return json.dumps(value)  # a control character ("\n") as YAML's double-quoted form, on one line
     return OmegaConf.to_yaml({"v": value}).strip().removeprefix("v:").strip()

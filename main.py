@@ -83,13 +83,14 @@ def build_trainer(
 
 def train(cfg: TrainConfig, run_dir: Path) -> None:
     """Read the data, join the job, fit, report. Leaves the process group to the caller (see hydra_main)."""
-    corpus = CharCorpus.load(cfg.data_config)  # bad data fails here, before any process group
+    setup_logging(global_rank(), run_dir)
+    # Bad data fails here, before any process group. One process per node builds a missing cache: the others wait.
+    corpus = CharCorpus.load(cfg.data_config, build=int(os.environ.get("LOCAL_RANK", "0")) == 0)
     check_launch_environment()
     ctx = setup_distributed()
-    setup_logging(ctx.rank, run_dir)
     configure_device(ctx.device)
     log.info("run directory: %s", run_dir)
-    log.info("data: %s characters, vocabulary of %d", f"{corpus.data.numel():,}", len(corpus.vocab))
+    log.info("data: %s", corpus.describe())
     trainer = build_trainer(cfg, corpus, ctx, run_dir)
     on_abrupt_exit(trainer.checkpoints.finish_quietly)  # a snapshot being written is finished first
     trainer.fit()

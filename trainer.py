@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset
 
-from char_dataset import check_location
+from char_dataset import EPOCH_ORDER, LEGACY_ORDER, ResumableDistributedSampler, check_location
 from checkpoint import Cadence, Checkpointer
 from distributed import DistContext
 from errors import UsageError
@@ -137,39 +136,6 @@ def resolve_precision(name: str, device: torch.device) -> torch.dtype:
         raise UsageError(f"mixed_precision=bf16 is not supported on {torch.cuda.get_device_name(device)} "
                          f"(no bf16 tensor cores, only slow emulation); use fp16 or auto")
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
-
-
-class ResumableDistributedSampler(DistributedSampler):
-    """`DistributedSampler` that can start an epoch at a global sample position.
-
-    The epoch's permutation depends only on (seed, epoch), never on the world size; rank r takes every
-    world_size-th index of what is left, so the first k*world_size indices of the permutation are exactly the
-    samples consumed after k per-rank samples. Starting at position p skips p global samples without iterating
-    over them, and stays valid when the job resumes with a different number of processes.
-    """
-
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
-        self.start = 0
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        super().set_epoch(epoch)
-        self.start = start
-
-    def _remaining(self) -> int:
-        return max(0, len(self.dataset) - self.start)
-
-    def __len__(self) -> int:
-        return math.ceil(self._remaining() / self.num_replicas)
-
-    def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.dataset), generator=generator)[self.start :]
-        padding = len(self) * self.num_replicas - order.numel()
-        if padding:  # like DistributedSampler: repeat from the front so every rank gets the same count
-            order = torch.cat([order, order[:padding]])
-        return iter(order[self.rank :: self.num_replicas].tolist())
 
 
 def _batch_as_is(batch: torch.Tensor) -> torch.Tensor:
@@ -308,6 +274,20 @@ def validation_loss(model: nn.Module, loader: DataLoader, max_batches: Optional[
     return (loss_sum / count).item()
 
 
+def resumed_order(order: str, epoch_samples: int, ctx: DistContext) -> str:
+    """The order a resumed epoch continues in: its own, so every window is still seen once. A snapshot older than
+    EPOCH_ORDER finishes its epoch in torch.randperm's order; one written by a newer version is refused."""
+    if order not in (EPOCH_ORDER, LEGACY_ORDER):
+        raise UsageError(f"the snapshot's epoch order {order!r} is unknown to this version (it knows {EPOCH_ORDER!r}"
+                         f" and {LEGACY_ORDER!r}): update mingpt-ddp, or use another snapshot_path")
+    if order == LEGACY_ORDER and epoch_samples == 0:
+        return EPOCH_ORDER  # nothing of the epoch consumed yet: it may as well begin in the current order
+    if order == LEGACY_ORDER and ctx.is_main:
+        log.info("the snapshot predates the %s epoch order: its epoch ends in the order it began with (%s), later "
+                 "epochs use %s", EPOCH_ORDER, LEGACY_ORDER, EPOCH_ORDER)
+    return order
+
+
 class ScalerState:
     """The gradient scaler in a snapshot, across a change of mixed_precision: a disabled scaler (bf16, fp32) saves {}.
 
@@ -416,6 +396,7 @@ class Trainer:
         self.step = 0  # optimizer steps done
         self.epoch = 0  # current epoch (= completed epochs)
         self.epoch_samples = 0  # global samples consumed in the current epoch (world-size independent)
+        self.epoch_order = EPOCH_ORDER  # the current epoch's order (an older snapshot's epoch ends in its own)
         self.last_val_loss: Optional[float] = None
         self._last_eval_step = -1
         self._batches: Optional[Iterator] = None
@@ -438,7 +419,7 @@ class Trainer:
     def _setup_data(self, train_data: Dataset, val_data: Dataset) -> None:
         cfg, ctx = self.cfg, self.ctx
         self.n_train = len(train_data)
-        self.sampler = ResumableDistributedSampler(train_data, ctx.world_size, ctx.rank, cfg.seed)
+        self.sampler = ResumableDistributedSampler(len(train_data), ctx.world_size, ctx.rank, cfg.seed)
         self.train_loader = make_loader(train_data, self.sampler, cfg.batch_size, True, cfg, ctx.device)
         own_val_windows = range(ctx.rank, len(val_data), ctx.world_size)  # disjoint across ranks, no padding
         # Without gradients a window needs a fraction of the memory: evaluate EVAL_BATCH_FACTOR x larger batches.
@@ -448,11 +429,9 @@ class Trainer:
         self.tokens_per_step = self.global_batch * train_data[0][0].numel()
         self.steps_per_epoch = self.n_train // self.global_batch
         if self.steps_per_epoch == 0:
-            raise UsageError(
-                f"an optimizer step needs batch_size x grad_accum_steps x processes = "
-                f"{cfg.batch_size} x {cfg.grad_accum_steps} x {ctx.world_size} windows, "
-                f"but the training split has only {self.n_train}"
-            )
+            raise UsageError(f"an optimizer step needs batch_size x grad_accum_steps x processes = {cfg.batch_size} "
+                             f"x {cfg.grad_accum_steps} x {ctx.world_size} windows, but the training split has only "
+                             f"{self.n_train}")
 
     def split(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) on the device from a (B, T+1) batch of windows: one copy (asynchronous when the loader pinned
@@ -561,7 +540,7 @@ class Trainer:
 
     def epoch_batches(self) -> Iterator[torch.Tensor]:
         """The (B, T+1) window batches of the rest of the current epoch, as training consumes them."""
-        self.sampler.set_epoch(self.epoch, start=self.epoch_samples)  # mid-epoch resume starts at the next batch
+        self.sampler.set_epoch(self.epoch, self.epoch_samples, self.epoch_order)  # a resumed epoch: its next batch
         if self.cfg.data_loader_workers == 0 and self.ctx.device.type == "cpu":
             # Same batches as the DataLoader (it would call __getitems__ the same way), minus its per-batch
             # bookkeeping, which costs ~0.3 ms of a ~60 ms CPU step; on CUDA the loader pins each (B, T+1) batch.
@@ -580,17 +559,19 @@ class Trainer:
             if self._last_eval_step != self.step:
                 self._evaluate()
             finished_epoch, self.epoch, self.epoch_samples, self._batches = self.epoch, self.epoch + 1, 0, None
+            self.epoch_order = EPOCH_ORDER  # an older snapshot's epoch has ended
         self.window.exclude(self.checkpoints.save_if_due(self.step, finished_epoch))
 
     # ----------------------------------------------------------------------------------------------- progress state
     def state_dict(self) -> dict:
         """The trainer's own part of a snapshot: where training is."""
         return {"step": self.step, "epoch": self.epoch, "epoch_samples": self.epoch_samples,
-                "val_loss": self.last_val_loss, "last_eval_step": self._last_eval_step}
+                "epoch_order": self.epoch_order, "val_loss": self.last_val_loss, "last_eval_step": self._last_eval_step}
 
     def load_state_dict(self, progress: dict) -> None:
         self.step, self.epoch, self.epoch_samples = progress["step"], progress["epoch"], progress["epoch_samples"]
         self.last_val_loss, self._last_eval_step = progress["val_loss"], progress["last_eval_step"]
+        self.epoch_order = resumed_order(progress.get("epoch_order", LEGACY_ORDER), self.epoch_samples, self.ctx)
         self.total_steps = self._total_steps()
 
     def _save(self, reason: str) -> None:

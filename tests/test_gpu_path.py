@@ -49,7 +49,7 @@ def test_auto_precision_is_bf16_on_ampere_and_later(monkeypatch):
 
 def make_trainer(**trainer_kwargs) -> Trainer:
     text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(200))
-    corpus = CharCorpus(text, DataConfig(block_size=16))
+    corpus = CharCorpus.from_text(text, DataConfig(block_size=16))
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, dropout=0.1, vocab_size=len(corpus.vocab), block_size=16))
     opt_cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3)

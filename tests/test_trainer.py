@@ -14,7 +14,6 @@ from optim import OptimizerConfig, build_optimizer, learning_rate
 from reporting import read_metrics
 from snapshot import SnapshotStore
 from trainer import (
-    ResumableDistributedSampler,
     Trainer,
     TrainerConfig,
     resolve_precision,
@@ -26,7 +25,7 @@ TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i
 
 
 def make_trainer(tmp_path=None, dropout=0.0, snapshots=None, **trainer_kwargs) -> Trainer:
-    corpus = CharCorpus(TEXT, DataConfig(block_size=16))
+    corpus = CharCorpus.from_text(TEXT, DataConfig(block_size=16))
     torch.manual_seed(0)
     gpt_cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, dropout=dropout, vocab_size=len(corpus.vocab), block_size=16)
     model = GPT(gpt_cfg)
@@ -118,31 +117,6 @@ def test_precision_resolution_on_cpu():
 def test_too_few_windows_for_one_step():
     with pytest.raises(UsageError, match="needs batch_size"):
         make_trainer(max_steps=1, batch_size=100_000)
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("start", [0, 7, 50])
-def test_sampler_start_position_is_world_size_independent(world_size, start):
-    dataset = list(range(101))
-    full = ResumableDistributedSampler(dataset, 1, 0, seed=5)
-    full.set_epoch(3)
-    order = list(full)
-    ranks = [ResumableDistributedSampler(dataset, world_size, r, seed=5) for r in range(world_size)]
-    for sampler in ranks:
-        sampler.set_epoch(3, start=start)
-    per_rank = [list(s) for s in ranks]
-    assert len({len(p) for p in per_rank}) == 1
-    interleaved = [p[i] for i in range(len(per_rank[0])) for p in per_rank]
-    remaining = order[start:]
-    assert interleaved[: len(remaining)] == remaining  # nothing skipped, nothing repeated (before padding)
-
-
-def test_sampler_order_changes_with_epoch():
-    sampler = ResumableDistributedSampler(list(range(50)), 1, 0, seed=5)
-    sampler.set_epoch(0)
-    first = list(sampler)
-    sampler.set_epoch(1)
-    assert list(sampler) != first and sorted(first) == list(range(50))
 
 
 def test_a_resume_between_log_lines_logs_what_the_uninterrupted_run_logs(tmp_path):

@@ -1,0 +1,570 @@
+"""The encoded-corpus cache: text sources -> one token file, its vocabulary and a manifest, built once per node.
+
+    >>> tokens = open_tokens("/data/books/*.txt", separator="\\n", cache_dir=Path("~/.cache/mingpt-ddp/data"))
+    >>> tokens.vocab, tokens.n_tokens, tokens.path        # the ids are positions in the sorted vocabulary
+
+A location is a file, a folder (every file under it, hidden ones skipped), a glob, or the same as an fsspec URL
+(`s3://bucket/corpus/*.txt`). Its files are joined in sorted order with `separator` between them, and encoded in
+two streamed passes of bounded memory (the vocabulary, then the ids; numpy, no per-character Python) into
+uint8/uint16/uint32 ids, whichever the vocabulary fits. Remote files are copied to the cache folder once in the
+first pass, never once per rank.
+
+One folder per (location, separator) under the cache directory holds `manifest.json` (format version, the
+sources' paths, sizes and versions -- modification time or ETag --, the vocabulary, the token count, dtype and
+CRC-32) and the token file it names. Both are written under temporary names and renamed, the manifest last, so a
+cache is complete or absent; a manifest whose sources no longer match is rebuilt, a damaged one (bad JSON, its
+own checksum, the token file's size or CRC-32) too, with a warning. Every process that opens the cache checks the
+token file's CRC-32 before it maps it (about 1.7 GB/s here): a damaged cache is never trained on.
+A file lock (flock) in the folder lets one builder write at a time, across ranks and jobs; only processes asked to
+build (main.py: local rank 0) ever build, the others wait for a valid cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+import uuid
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterator, Optional
+
+import fsspec
+import fsspec.implementations.local
+import numpy as np
+
+from errors import UsageError, first_line
+
+log = logging.getLogger("mingpt")
+
+FORMAT_VERSION = 1
+CHUNK_BYTES = 4 << 20  # bytes read at a time: the encoder's memory is a small multiple of this
+UNICODE_SIZE = 0x110000
+ASCII_MARK = 0xFF  # an ASCII character's id is below 128 (ASCII sorts first): 0xFF marks the other characters
+WAIT_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class Source:
+    """One file of a corpus as found now: its identity decides whether a cache is still current."""
+
+    path: str  # full URL for remote files, absolute path for local ones
+    size: int
+    version: str  # local: mtime in ns; remote: ETag, else the modification time the store reports
+
+
+@dataclass
+class Tokens:
+    """An opened cache: the token file and what it encodes."""
+
+    path: Path
+    dtype: np.dtype
+    n_tokens: int
+    vocab: str
+    sources: list[Source]
+    built_now: bool  # False: an existing cache was reused
+
+    def array(self, start: int = 0, count: Optional[int] = None) -> np.ndarray:
+        """The ids [start, start + count) as a read-only memory map (an empty array for none)."""
+        count = self.n_tokens - start if count is None else count
+        if count == 0:
+            return np.zeros(0, dtype=self.dtype)
+        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=start * self.dtype.itemsize, shape=(count,))
+
+
+# ----------------------------------------------------------------------------------------------------- sources
+GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def list_sources(location: str) -> list[Source]:
+    """The files of a location (file, folder, glob; local or fsspec URL), sorted by path, with their identity."""
+    try:
+        fs, path = fsspec.core.url_to_fs(location)
+        if GLOB_CHARS.search(path):
+            # Like a shell's glob, a wildcard does not match a name that starts with a dot (unless written so).
+            root = path[: GLOB_CHARS.search(path).start()].rsplit("/", 1)[0]
+            found = {name: info for name, info in fs.glob(path, detail=True).items()
+                     if "/." in path[len(root):] or not _hidden(name, root)}
+            what = "matches no file"
+        elif fs.isdir(path):
+            found = {name: info for name, info in fs.find(path, detail=True).items() if not _hidden(name, path)}
+            what = "is a folder without files"
+        else:
+            found, what = {path: fs.info(path)}, "is not a file"
+        remote = not isinstance(fs, fsspec.implementations.local.LocalFileSystem)
+        sources = [_source(fs, name, info, remote) for name, info in sorted(found.items())
+                   if _is_file(name, info, remote)]
+    except FileNotFoundError as e:
+        cause = e.__cause__
+        if isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError):
+            # fsspec's HTTP filesystem reports an unreachable server as FileNotFoundError; say what really failed
+            raise _unreadable(location, cause) from None
+        missing = e.filename or location
+        raise UsageError(f"data file not found: {missing}") from None
+    except UsageError:
+        raise
+    except Exception as e:  # no permission, unreachable server, missing credentials, unknown protocol, ...
+        raise _unreadable(getattr(e, "filename", None) or location, e) from None
+    if not sources:
+        raise UsageError(f"data_config.path {location!r} {what}")
+    return sources
+
+
+def _is_file(name: str, info: dict, remote: bool) -> bool:
+    """A regular file, or locally a symbolic link to one (fsspec lists links as "other"); a broken link among
+    the files is an error, not a file silently left out."""
+    if remote or not info.get("islink"):
+        return info.get("type") == "file"
+    if not os.path.exists(name):
+        raise UsageError(f"data file {name} is a broken symbolic link (to {os.readlink(name)})")
+    return os.path.isfile(name)
+
+
+def _hidden(name: str, folder: str) -> bool:
+    """A file under the folder whose name, or a folder's on the way to it, starts with a dot (.DS_Store, .git/)."""
+    relative = name[len(folder.rstrip("/")):] if name.startswith(folder.rstrip("/")) else name
+    return any(part.startswith(".") for part in relative.split("/") if part)
+
+
+def _source(fs, name: str, info: dict, remote: bool) -> Source:
+    if not remote:
+        stat = os.stat(name)
+        return Source(name, stat.st_size, str(stat.st_mtime_ns))
+    version = next((str(info[k]) for k in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified",
+                                           "updated", "created") if info.get(k) is not None), "")
+    return Source(fs.unstrip_protocol(name), int(info.get("size") or 0), version)
+
+
+def _unreadable(location: str, error: BaseException) -> UsageError:
+    # An error without any text still says what it is through its repr.
+    return UsageError(f"cannot read data file {location}: {type(error).__name__}: {first_line(error) or repr(error)}")
+
+
+def _open_source(source: Source) -> BinaryIO:
+    try:
+        return fsspec.open(source.path, "rb").open()
+    except FileNotFoundError:
+        raise UsageError(f"data file not found: {source.path} (it was there when the files were listed)") from None
+    except Exception as e:
+        raise _unreadable(source.path, e) from None
+
+
+# ------------------------------------------------------------------------------------------------ UTF-8 chunks
+def utf8_chunks(stream: BinaryIO, name: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """The stream's bytes in chunks that each end on a character boundary, every one checked to be UTF-8: an
+    invalid byte is a UsageError naming the file and the byte's offset in it."""
+    offset, carry = 0, b""
+    while True:
+        try:
+            block = stream.read(chunk_bytes)
+        except Exception as e:
+            raise _unreadable(name, e) from None
+        if not block:
+            break
+        chunk = carry + block
+        if chunk.isascii():
+            carry = b""
+        else:
+            cut = _complete_prefix(chunk)
+            chunk, carry = chunk[:cut], chunk[cut:]
+            try:
+                chunk.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UsageError(f"data file {name} is not UTF-8 text (invalid byte at offset {offset + e.start})"
+                                 ) from None
+        offset += len(chunk)
+        if chunk:
+            yield chunk
+    if carry:
+        raise UsageError(f"data file {name} is not UTF-8 text (it ends inside a character, at offset {offset})")
+
+
+def _complete_prefix(chunk: bytes) -> int:
+    """The length of `chunk` without an incomplete multi-byte sequence at its end."""
+    for back in range(1, min(4, len(chunk)) + 1):
+        byte = chunk[-back]
+        if byte & 0xC0 != 0x80:  # the last lead (or ASCII) byte
+            need = 1 if byte < 0x80 else 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4
+            return len(chunk) if need <= back else len(chunk) - back
+    return len(chunk)  # four continuation bytes: invalid anyway, and decode says where
+
+
+def _non_ascii(chunk: np.ndarray) -> np.ndarray:
+    """The code points of a chunk's non-ASCII characters, in order (its bytes >= 0x80 are exactly their
+    encodings, so they decode on their own)."""
+    text = chunk[chunk >= 0x80].tobytes().decode("utf-8")
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+
+class CharScan:
+    """The first pass: which characters occur, and how many characters there are."""
+
+    def __init__(self) -> None:
+        self.seen = np.zeros(UNICODE_SIZE, dtype=bool)
+        self.n_chars = 0
+        self._table = self._known_to_zero()
+
+    def _known_to_zero(self) -> bytes:
+        """A byte table: seen ASCII bytes and every byte >= 0x80 -> 0, other ASCII bytes -> themselves."""
+        return bytes(0 if b >= 0x80 or self.seen[b] else b for b in range(256))
+
+    def add(self, chunk: bytes) -> None:
+        # A chunk that maps to zeros only has no new ASCII character: a check at ~350 MB/s, where marking
+        # every byte seen runs at ~200 MB/s. (NUL maps to 0 either way, so it is looked for on its own.)
+        nul_seen = bool(self.seen[0]) or 0 in chunk
+        mapped = chunk.translate(self._table)
+        if mapped.count(0) != len(mapped):
+            self.seen[np.frombuffer(mapped, dtype=np.uint8)] = True
+            self._table = self._known_to_zero()
+        self.seen[0] = nul_seen
+        if chunk.isascii():
+            self.n_chars += len(chunk)
+            return
+        raw = np.frombuffer(chunk, dtype=np.uint8)
+        self.seen[_non_ascii(raw)] = True
+        self.n_chars += len(chunk) - int(np.count_nonzero((raw & 0xC0) == 0x80))
+
+    def vocab(self) -> str:
+        return "".join(map(chr, np.flatnonzero(self.seen)))
+
+
+def id_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned type that holds every id."""
+    return np.dtype(np.uint8 if vocab_size <= 1 << 8 else np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+class Encoder:
+    """Text bytes -> ids of a sorted vocabulary, vectorised; a character outside the vocabulary is a UsageError."""
+
+    def __init__(self, vocab: str) -> None:
+        self.dtype = id_dtype(len(vocab))
+        codes = np.frombuffer(vocab.encode("utf-32-le"), dtype=np.uint32)
+        self._known = np.zeros(UNICODE_SIZE, dtype=bool)
+        self._known[codes] = True
+        self._ids = np.zeros(UNICODE_SIZE, dtype=self.dtype)
+        self._ids[codes] = np.arange(len(codes), dtype=self.dtype)
+        ascii_table = np.full(256, ASCII_MARK, dtype=np.uint8)
+        ascii_codes = codes[codes < 0x80]
+        ascii_table[ascii_codes] = self._ids[ascii_codes]
+        self._ascii_table = ascii_table.tobytes()
+
+    def encode(self, chunk: bytes) -> np.ndarray:
+        """The ids of a chunk of valid UTF-8 (one that ends on a character boundary)."""
+        raw = np.frombuffer(chunk, dtype=np.uint8)
+        ids8 = np.frombuffer(chunk.translate(self._ascii_table), dtype=np.uint8)
+        if chunk.isascii():
+            self._refuse(raw[ids8 == ASCII_MARK])
+            return ids8 if self.dtype == np.uint8 else ids8.astype(self.dtype)
+        starts = (raw & 0xC0) != 0x80  # the first byte of every character
+        leads, ids8 = raw[starts], ids8[starts]
+        high = leads >= 0x80
+        codes = _non_ascii(raw)
+        self._refuse(np.concatenate([leads[(ids8 == ASCII_MARK) & ~high], codes[~self._known[codes]]]))
+        ids = ids8.astype(self.dtype)
+        ids[high] = self._ids[codes]
+        return ids
+
+    @staticmethod
+    def _refuse(codes: np.ndarray) -> None:
+        """Characters outside the vocabulary, if any, in one line."""
+        if codes.size:
+            chars = "".join(map(chr, np.unique(codes)))
+            raise UsageError(f"characters not in the vocabulary: {chars!r}")
+
+
+def encode_text(text: str, vocab: str) -> np.ndarray:
+    """Ids of an in-memory text (tests, prompts): the same encoder as the cache's."""
+    return Encoder(vocab).encode(text.encode("utf-8"))
+
+
+# ------------------------------------------------------------------------------------------------------ the cache
+def default_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/mingpt-ddp/data, or ~/.cache/mingpt-ddp/data."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mingpt-ddp" / "data"
+
+
+def entry_dir(cache_dir: Path, location: str, separator: str) -> Path:
+    """The cache folder of one (location, separator): readable name, unique hash."""
+    key = hashlib.sha256(json.dumps([location, separator]).encode()).hexdigest()[:16]
+    tail = location.rstrip("/").rsplit("/", 1)[-1]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", tail)[:40].strip("._") or "corpus"
+    return cache_dir / f"{slug}-{key}"
+
+
+def open_tokens(location: str, separator: str, cache_dir: Path, build: bool = True, timeout_s: float = 3600.0,
+                progress: Optional[Callable[[str, int], Callable[[int], None]]] = None,
+                rebuild: bool = False) -> Tokens:
+    """The verified cache of `location`, built here if it is missing, stale or damaged and `build` is True;
+    otherwise waits (up to `timeout_s`) for a builder to make one. `progress(phase, total_bytes)` returns a
+    callback that is given the bytes done."""
+    sources = list_sources(location)
+    entry = CacheEntry(entry_dir(cache_dir, location, separator), location, separator)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not rebuild:
+            with entry.locked(shared=True, deadline=deadline):
+                tokens, why = entry.read(sources)
+            if tokens is not None:
+                return tokens
+        if build:
+            with entry.locked(shared=False, deadline=deadline):
+                tokens, why = (None, "asked to rebuild") if rebuild else entry.read(sources)
+                if tokens is not None:
+                    return tokens  # another process built it meanwhile
+                return entry.build(sources, why, progress)
+        if time.monotonic() > deadline:
+            raise UsageError(f"waited {timeout_s:g} s for the data cache {entry.dir} to be built by another process "
+                             f"(local rank 0; {why}); data_config.cache_timeout_s sets the wait")
+        time.sleep(WAIT_POLL_S)
+
+
+class CacheEntry:
+    """One cache folder: its lock, its manifest, its token file."""
+
+    def __init__(self, path: Path, location: str, separator: str) -> None:
+        self.dir, self.location, self.separator = path, location, separator
+        self.manifest_path = path / "manifest.json"
+
+    # ---------------------------------------------------------------------------------------------- lock
+    @contextlib.contextmanager
+    def locked(self, shared: bool, deadline: float) -> Iterator[None]:
+        """flock on the folder's lock file: shared to read, exclusive to build; polled, so a wait ends at
+        `deadline` with one line that names the holder."""
+        lock_path = self.dir / "lock"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            handle = open(lock_path, "a+")
+        except OSError as e:
+            raise UsageError(f"cannot use the data cache folder {self.dir}: {e.strerror or e}; set "
+                             f"data_config.cache_dir to a writable local folder") from None
+        with handle:
+            mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+            while True:
+                try:
+                    fcntl.flock(handle, mode | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        handle.seek(0)
+                        holder = handle.read().strip() or "another process"
+                        raise UsageError(f"the data cache {self.dir} stayed locked by {holder} past "
+                                         f"data_config.cache_timeout_s") from None
+                    time.sleep(WAIT_POLL_S)
+            if not shared:
+                handle.seek(0)
+                handle.truncate()
+                handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+                handle.flush()
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    # ---------------------------------------------------------------------------------------------- reading
+    def read(self, sources: list[Source]) -> tuple[Optional[Tokens], str]:
+        """(the verified cache, "") or (None, why it cannot be used). A newer format is a UsageError."""
+        if not self.manifest_path.exists():
+            return None, "no cache yet"
+        try:
+            manifest = json.loads(self.manifest_path.read_text(encoding="utf-8"))
+            version = manifest.get("format_version")
+        except (OSError, ValueError, AttributeError) as e:
+            return None, self._damaged(f"manifest.json is unreadable ({type(e).__name__})")
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise UsageError(f"the data cache {self.dir} was written by a newer mingpt-ddp (format {version}; this "
+                             f"one reads {FORMAT_VERSION}): update, or set data_config.cache_dir to another folder")
+        if manifest.get("manifest_sha256") != _digest({k: v for k, v in manifest.items() if k != "manifest_sha256"}):
+            return None, self._damaged("manifest.json does not match its checksum")
+        if version != FORMAT_VERSION:
+            return None, f"format {version} is older than {FORMAT_VERSION}"
+        if manifest.get("sources") != [asdict(s) for s in sources]:
+            return None, _changes(manifest.get("sources") or [], sources)
+        try:
+            return self._verified(manifest, sources)
+        except (KeyError, TypeError, ValueError) as e:
+            return None, self._damaged(f"manifest.json lacks a field or has a wrong one ({type(e).__name__}: {e})")
+
+    def _verified(self, manifest: dict, sources: list[Source]) -> tuple[Optional[Tokens], str]:
+        dtype = np.dtype(manifest["dtype"])
+        path = self.dir / manifest["tokens_file"]
+        expected = manifest["n_tokens"] * dtype.itemsize
+        try:
+            size = path.stat().st_size
+            if size != expected:
+                return None, self._damaged(f"{path.name} has {size} bytes, the manifest says {expected}")
+            if _file_crc32(path) != manifest["tokens_crc32"]:
+                return None, self._damaged(f"{path.name} does not match its CRC-32")
+        except OSError as e:
+            return None, self._damaged(f"{path.name} is unreadable ({e.strerror or e})")
+        return Tokens(path, dtype, manifest["n_tokens"], manifest["vocab"], sources, built_now=False), ""
+
+    @staticmethod
+    def _damaged(what: str) -> str:
+        return f"damaged: {what}"
+
+    # ---------------------------------------------------------------------------------------------- building
+    def build(self, sources: list[Source], why: str, progress=None) -> Tokens:
+        """Encode the sources into a new token file and manifest (under the exclusive lock)."""
+        start = time.perf_counter()
+        total = sum(s.size for s in sources)
+        log.log(logging.WARNING if why.startswith("damaged") else logging.INFO,
+                "data: encoding %s (%d file%s, %s bytes) into the cache %s (%s)", self.location, len(sources),
+                "s" if len(sources) > 1 else "", f"{total:,}", self.dir, why)
+        self._remove_leftovers()
+        spools: dict[str, Path] = {}
+        try:
+            scan = self._scan(sources, spools, progress)
+            vocab = scan.vocab()
+            encoder = Encoder(vocab)
+            self._check_room(scan.n_chars * encoder.dtype.itemsize, "the token file")
+            name = f"tokens-{uuid.uuid4().hex[:12]}.bin"
+            crc, n_tokens = self._write_tokens(sources, spools, encoder, self.dir / name, progress)
+        finally:
+            for spool in spools.values():
+                spool.unlink(missing_ok=True)
+        if list_sources(self.location) != sources:
+            raise UsageError(f"the data files of {self.location} changed while they were being encoded: run again")
+        manifest = {"format_version": FORMAT_VERSION, "location": self.location, "separator": self.separator,
+                    "sources": [asdict(s) for s in sources], "vocab": vocab, "n_tokens": n_tokens,
+                    "dtype": encoder.dtype.name, "tokens_file": name, "tokens_crc32": crc}
+        manifest["manifest_sha256"] = _digest(manifest)
+        _write_atomically(self.manifest_path, json.dumps(manifest, ensure_ascii=False, indent=1).encode())
+        self._remove_leftovers(keep=name)
+        seconds = time.perf_counter() - start
+        log.info("data: encoded %s characters (vocabulary of %d) in %.1f s, %.0f MB/s", f"{n_tokens:,}", len(vocab),
+                 seconds, total / max(seconds, 1e-9) / 1e6)
+        return Tokens(self.dir / name, encoder.dtype, n_tokens, vocab, sources, built_now=True)
+
+    def _scan(self, sources: list[Source], spools: dict[str, Path], progress) -> CharScan:
+        """The first pass: vocabulary and length; remote files copied into the folder on the way."""
+        scan = CharScan()
+        remote = [s for s in sources if "://" in s.path]
+        if remote:
+            self._check_room(sum(s.size for s in remote), "local copies of the remote files")
+        tick = progress("scanning", sum(s.size for s in sources)) if progress else None
+        for i, source in enumerate(sources):
+            spool = None
+            if source in remote:
+                spools[source.path] = self.dir / f"source-{uuid.uuid4().hex[:12]}.tmp"
+                spool = open(spools[source.path], "wb")
+            with _open_source(source) as stream, (spool or contextlib.nullcontext()):
+                for chunk in utf8_chunks(stream, source.path):
+                    scan.add(chunk)
+                    if spool is not None:
+                        _write(spool, chunk, self.dir)
+                    if tick:
+                        tick(len(chunk))
+            if i + 1 < len(sources):
+                scan.add(self.separator.encode("utf-8"))
+        if scan.n_chars == 0:
+            raise UsageError(f"data file {self.location} is empty")
+        return scan
+
+    def _write_tokens(self, sources: list[Source], spools: dict[str, Path], encoder: Encoder, path: Path,
+                      progress) -> tuple[int, int]:
+        """The second pass: ids into a temporary file, renamed into place once complete. (CRC-32, count)."""
+        tmp = path.with_suffix(".tmp")
+        try:
+            with open(tmp, "wb") as out:
+                crc, count = self._encode_into(out, sources, spools, encoder, progress)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)  # a failed pass leaves nothing behind
+        return crc, count
+
+    def _encode_into(self, out: BinaryIO, sources: list[Source], spools: dict[str, Path], encoder: Encoder,
+                     progress) -> tuple[int, int]:
+        crc, count = 0, 0
+        separator = encoder.encode(self.separator.encode("utf-8")) if len(sources) > 1 else None
+        tick = progress("encoding", sum(s.size for s in sources)) if progress else None
+        for i, source in enumerate(sources):
+            spool = spools.get(source.path)
+            with (open(spool, "rb") if spool else _open_source(source)) as stream:
+                for chunk in utf8_chunks(stream, source.path):
+                    ids = encoder.encode(chunk)
+                    crc, count = zlib.crc32(ids, crc), count + ids.size
+                    _write(out, ids, self.dir)
+                    if tick:
+                        tick(len(chunk))
+            if i + 1 < len(sources):
+                crc, count = zlib.crc32(separator, crc), count + separator.size
+                _write(out, separator, self.dir)
+        return crc, count
+
+    def _check_room(self, needed: int, what: str) -> None:
+        free = shutil.disk_usage(self.dir).free
+        if needed > free:
+            raise _no_room(self.dir, f"{what}: {needed:,} bytes needed, {free:,} free")
+
+    def _remove_leftovers(self, keep: str = "") -> None:
+        """Temporary files of builds that died, and token files no manifest names (a process that still maps
+        one keeps reading it: an unlinked file lives on while mapped)."""
+        for path in self.dir.iterdir():
+            if path.suffix == ".tmp" or (path.name.startswith("tokens-") and path.name != keep and keep):
+                path.unlink(missing_ok=True)
+
+
+def _changes(old: list[dict], sources: list[Source]) -> str:
+    before = {s["path"]: s for s in old}
+    now = {s.path: asdict(s) for s in sources}
+    added, removed = len(now.keys() - before.keys()), len(before.keys() - now.keys())
+    changed = sum(1 for p in now.keys() & before.keys() if now[p] != before[p])
+    return f"the files changed since it was built ({added} added, {removed} removed, {changed} modified)"
+
+
+def _no_room(folder: Path, detail: str) -> UsageError:
+    return UsageError(f"no room for the data cache in {folder} ({detail}): free some space or set "
+                      f"data_config.cache_dir to a folder on a larger disk")
+
+
+def _write(handle: BinaryIO, data, folder: Path) -> None:
+    try:
+        handle.write(data)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise _no_room(folder, "the disk filled up while it was being written") from None
+        raise
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            _write(f, data, path.parent)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the renames themselves survive a crash
+    finally:
+        os.close(directory)
+
+
+def _digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def _file_crc32(path: Path, block: int = 16 << 20) -> int:
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        buffer = bytearray(block)
+        view = memoryview(buffer)
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
+
