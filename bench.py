@@ -277,7 +277,7 @@ def timed_config(cfg, args: argparse.Namespace):
 
 def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
     cfg = config.compose_config(overrides)
-    corpus = CharCorpus.load(cfg.data_config)
+    corpus = CharCorpus.load(cfg.data_config, build=distributed.local_rank() == 0)
     ctx: DistContext = distributed.setup_distributed()
     try:
         reporting.setup_logging(ctx.rank, None)

@@ -51,6 +51,13 @@ def global_rank() -> int:
     return int(rank) if rank.isdigit() else 0  # a RANK that is not a number is reported by check_launch_environment
 
 
+def local_rank() -> int:
+    """This process's place on its node (torchrun's LOCAL_RANK); 0 without torchrun. Per-node work (the data
+    cache) is done by local rank 0."""
+    rank = os.environ.get("LOCAL_RANK", "0")
+    return int(rank) if rank.isdigit() else 0
+
+
 def check_launch_environment() -> None:
     """RANK without the rest of what torchrun sets (a variable leaked from another job, a hand-made launch) would
     fail deep inside torch.distributed; say what is missing instead."""

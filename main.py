@@ -41,6 +41,7 @@ from distributed import (
     configure_device,
     global_rank,
     leave_distributed,
+    local_rank,
     on_abrupt_exit,
     report_failure,
     setup_distributed,
@@ -85,7 +86,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
     """Read the data, join the job, fit, report. Leaves the process group to the caller (see hydra_main)."""
     setup_logging(global_rank(), run_dir)
     # Bad data fails here, before any process group. One process per node builds a missing cache: the others wait.
-    corpus = CharCorpus.load(cfg.data_config, build=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+    corpus = CharCorpus.load(cfg.data_config, build=local_rank() == 0)
     check_launch_environment()
     ctx = setup_distributed()
     configure_device(ctx.device)

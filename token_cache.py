@@ -49,6 +49,7 @@ log = logging.getLogger("mingpt")
 FORMAT_VERSION = 1
 CHUNK_BYTES = 4 << 20  # bytes read at a time: the encoder's memory is a small multiple of this
 UNICODE_SIZE = 0x110000
+CONTINUATION_BYTES = bytes(range(0x80, 0xC0))
 ASCII_MARK = 0xFF  # an ASCII character's id is below 128 (ASCII sorts first): 0xFF marks the other characters
 WAIT_POLL_S = 0.2
 
@@ -259,26 +260,27 @@ class Encoder:
 
     def encode(self, chunk: bytes) -> np.ndarray:
         """The ids of a chunk of valid UTF-8 (one that ends on a character boundary)."""
-        raw = np.frombuffer(chunk, dtype=np.uint8)
-        ids8 = np.frombuffer(chunk.translate(self._ascii_table), dtype=np.uint8)
+        # One byte per character: ASCII -> its id, a lead byte -> the mark, continuation bytes (0x80-0xBF, which
+        # in valid UTF-8 are nothing else) deleted. ~600 MB/s, where masking and compressing runs at ~200 MB/s.
+        ids8 = np.frombuffer(chunk.translate(self._ascii_table, CONTINUATION_BYTES), dtype=np.uint8)
+        marks = np.flatnonzero(ids8 == ASCII_MARK)
         if chunk.isascii():
-            self._refuse(raw[ids8 == ASCII_MARK])
+            if marks.size:
+                self._refuse(ids8[:0], chunk)
             return ids8 if self.dtype == np.uint8 else ids8.astype(self.dtype)
-        starts = (raw & 0xC0) != 0x80  # the first byte of every character
-        leads, ids8 = raw[starts], ids8[starts]
-        high = leads >= 0x80
-        codes = _non_ascii(raw)
-        self._refuse(np.concatenate([leads[(ids8 == ASCII_MARK) & ~high], codes[~self._known[codes]]]))
+        codes = _non_ascii(np.frombuffer(chunk, dtype=np.uint8))
+        if marks.size != codes.size or not self._known[codes].all():
+            self._refuse(codes, chunk)
         ids = ids8.astype(self.dtype)
-        ids[high] = self._ids[codes]
+        ids[marks] = self._ids[codes]
         return ids
 
-    @staticmethod
-    def _refuse(codes: np.ndarray) -> None:
-        """Characters outside the vocabulary, if any, in one line."""
-        if codes.size:
-            chars = "".join(map(chr, np.unique(codes)))
-            raise UsageError(f"characters not in the vocabulary: {chars!r}")
+    def _refuse(self, codes: np.ndarray, chunk: bytes) -> None:
+        """The characters of a chunk outside the vocabulary, in one line."""
+        raw = np.frombuffer(chunk, dtype=np.uint8)
+        every = np.unique(np.concatenate([raw[raw < 0x80].astype(np.uint32), codes]))
+        chars = "".join(map(chr, every[~self._known[every]]))
+        raise UsageError(f"characters not in the vocabulary: {chars!r}")
 
 
 def encode_text(text: str, vocab: str) -> np.ndarray:
@@ -340,11 +342,13 @@ class CacheEntry:
     def locked(self, shared: bool, deadline: float) -> Iterator[None]:
         """flock on the folder's lock file: shared to read, exclusive to build; polled, so a wait ends at
         `deadline` with one line that names the holder."""
-        lock_path = self.dir / "lock"
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            handle = open(lock_path, "a+")
+            handle = open(self.dir / "lock", "a+")
         except OSError as e:
+            if shared and self.manifest_path.exists():  # a cache prepared elsewhere on a read-only file system
+                yield
+                return
             raise UsageError(f"cannot use the data cache folder {self.dir}: {e.strerror or e}; set "
                              f"data_config.cache_dir to a writable local folder") from None
         with handle:

@@ -70,3 +70,19 @@ def test_nanogpt_baseline_keeps_nanogpts_attention():
     loop = bench.NanoGPTLoop(cfg, CharCorpus.load(cfg.data_config))
     attentions = {m.attention for m in loop.model.modules() if isinstance(m, CausalSelfAttention)}
     assert attentions == {"sdpa"}
+
+
+def test_bench_data_encodes_both_corpora_and_times_the_order(tmp_path):
+    """bench_data.py's encode and order parts on a 2 MB corpus (its launch part runs whole torchrun jobs: the
+    README's figures, not a test)."""
+    out = tmp_path / "data.json"
+    proc = subprocess.run([sys.executable, str(PROJECT_DIR / "bench_data.py"), "--only", "encode,order", "--size-mb",
+                           "2", "--rounds", "1", "--json", str(out)], cwd=tmp_path, env=subprocess_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert_ok(proc)
+    result = json.loads(out.read_text())
+    ascii_, mixed = result["encode"]["mostly_ascii"], result["encode"]["mixed_script"]
+    assert ascii_["vocabulary"] > 256 and ascii_["dtype"] == "uint16" and ascii_["mb_per_s_median"] > 0
+    assert mixed["characters"] < mixed["bytes"] / 1.5  # multi-byte scripts: fewer characters than bytes
+    assert set(result["order"]) == {"1e4", "1e6", "1e9", "1e12"}
+    assert all(row["sampler_peak_bytes"] < 2_000_000 for row in result["order"].values())

@@ -313,6 +313,14 @@ def test_no_room_for_the_cache_is_one_line_and_leaves_nothing_behind(tmp_path, s
     assert [p.name for p in small_disk.rglob("*") if p.is_file()] == ["lock", "lock"]
 
 
+def test_a_cache_prepared_on_a_read_only_file_system_is_used_as_it_is(tmp_path, small_disk):
+    path = books(tmp_path, {"t.txt": SHAKESPEARE[:5000]}) / "t.txt"
+    load(path, small_disk)
+    assert os.system(f"mount -o remount,ro {small_disk}") == 0
+    corpus = load(path, small_disk)
+    assert not corpus.tokens.built_now and text_of(corpus) == SHAKESPEARE[:5000]
+
+
 def hold_lock(entry, seconds: float) -> threading.Thread:
     entry.mkdir(parents=True, exist_ok=True)
     handle = open(entry / "lock", "a+")

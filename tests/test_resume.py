@@ -6,7 +6,7 @@ import os
 import signal
 from pathlib import Path
 
-from support import TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
+from support import PROJECT_DIR, TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
 
 import snapshot as snap
 from reporting import read_metrics
@@ -27,11 +27,26 @@ def rows_by_step(rows: list[dict], key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in rows if key in r}
 
 
-def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
-    straight = run_cli(resume_args(tmp_path / "snaps_a", tmp_path / "run_a"), tmp_path, nproc=2)
-    assert_ok(straight)
+def several_files(tmp_path: Path) -> list[str]:
+    """TINY's 5% of tiny-shakespeare as four files of a folder, and a cache folder of the test's own."""
+    text = (PROJECT_DIR / "data" / "input.txt").read_text(encoding="utf-8")[:55_000]
+    folder = tmp_path / "books"
+    folder.mkdir()
+    for n in range(4):
+        (folder / f"part-{n}.txt").write_text(text[n * len(text) // 4 : (n + 1) * len(text) // 4], encoding="utf-8")
+    return [f"data_config.path={folder}", "data_config.truncate=1.0", f"data_config.cache_dir={tmp_path / 'cache'}"]
 
-    job = start_cli(resume_args(tmp_path / "snaps_b", tmp_path / "run_b"), tmp_path, nproc=2, max_restarts=1)
+
+def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
+    """On a cached corpus of several files: the first run builds the cache, the killed one and its restart read
+    it; the weights and every logged value are those of the run that was not interrupted."""
+    data = several_files(tmp_path)
+    straight = run_cli([*resume_args(tmp_path / "snaps_a", tmp_path / "run_a"), *data], tmp_path, nproc=2)
+    assert_ok(straight)
+    assert "data: encoding" in straight.stdout and "of 4 files of" in straight.stdout
+
+    job = start_cli([*resume_args(tmp_path / "snaps_b", tmp_path / "run_b"), *data], tmp_path, nproc=2,
+                    max_restarts=1)
     wait_for(lambda: logged_step(tmp_path / "run_b") >= 35, timeout=120, what="step 35")
     workers = child_pids(job.pid)
     assert len(workers) == 2
@@ -39,6 +54,7 @@ def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
     assert job.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     log = (tmp_path / "launch.log").read_text()
     assert "resumed from" in log, log[-3000:]
+    assert "data: encoding" not in log and log.count("of 4 files of") == 2  # the cache, found at each start
 
     summary_a = json.loads((tmp_path / "run_a" / "summary.json").read_text())
     summary_b = json.loads((tmp_path / "run_b" / "summary.json").read_text())

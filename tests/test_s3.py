@@ -1,5 +1,5 @@
-"""Snapshots on S3: a real S3-compatible server (moto's standalone server) on 127.0.0.1, spoken to over HTTP by
-s3fs in the training processes, and checked with a separate client (boto3)."""
+"""Snapshots and corpora on S3: a real S3-compatible server (moto's standalone server) on 127.0.0.1, spoken to
+over HTTP by s3fs in the training processes, and checked with a separate client (boto3)."""
 
 import json
 import os
@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 from support import PROJECT_DIR, TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
 
 import snapshot as snap
@@ -86,3 +87,34 @@ def test_sample_from_an_s3_snapshot_is_deterministic(tmp_path, s3):
                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert_ok(first)
     assert len(first.stdout.rstrip("\n")) == 1 + 40 and first.stdout == again.stdout
+
+
+def test_a_corpus_under_an_s3_prefix_is_downloaded_once_and_encoded_as_the_same_files_locally(tmp_path, s3):
+    """Three objects under s3://corpus/books/ (and one beside them that the glob leaves out), two processes: one
+    download into the cache, one vocabulary over the three, the same ids as the same files read locally."""
+    from char_dataset import CharCorpus, DataConfig
+    from token_cache import default_cache_dir, entry_dir, open_tokens
+
+    s3.create_bucket(Bucket="corpus")
+    text = (PROJECT_DIR / "data" / "input.txt").read_text(encoding="utf-8")[:60_000]
+    local = tmp_path / "books"
+    local.mkdir()
+    for n in range(3):
+        part = text[n * 20_000 : (n + 1) * 20_000]
+        s3.put_object(Bucket="corpus", Key=f"books/part-{n}.txt", Body=part.encode())
+        (local / f"part-{n}.txt").write_text(part, encoding="utf-8")
+    s3.put_object(Bucket="corpus", Key="books/README.md", Body=b"not part of the corpus \xff")
+    run_dir = tmp_path / "run"
+    location = "s3://corpus/books/*.txt"
+    result = run_cli([*TINY, "data_config.truncate=1.0", f"data_config.path={location}", "trainer_config.max_steps=5",
+                      f"trainer_config.snapshot_path={tmp_path / 'snaps'}", f"hydra.run.dir={run_dir}"], tmp_path,
+                     nproc=2)
+    assert_ok(result)
+    assert result.stdout.count("data: encoding s3://corpus/books/*.txt (3 files, 60,000 bytes)") == 1
+    assert "60,002 characters of 3 files of s3://corpus/books/*.txt" in result.stdout
+    cached = open_tokens(location, "\n", default_cache_dir(), build=False, timeout_s=5)
+    assert not cached.built_now and cached.path.parent == entry_dir(default_cache_dir(), location, "\n")
+    assert [p.suffix for p in cached.path.parent.iterdir()].count(".tmp") == 0  # the downloaded copies are gone
+    same = CharCorpus.load(DataConfig(path=str(local), cache_dir=str(tmp_path / "cache")))
+    assert cached.vocab == same.vocab.chars
+    assert np.array_equal(cached.array(), same.ids(0, same.n_tokens))

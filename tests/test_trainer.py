@@ -133,3 +133,36 @@ def test_a_resume_between_log_lines_logs_what_the_uninterrupted_run_logs(tmp_pat
     want = {r["step"]: r["train_loss"] for r in read_metrics(tmp_path / "whole") if "train_loss" in r}
     got = {r["step"]: r["train_loss"] for r in read_metrics(tmp_path / "resumed") if "train_loss" in r}
     assert got == {10: want[10], 20: want[20]}
+
+
+def test_a_snapshot_older_than_the_epoch_order_finishes_its_epoch_in_its_own_order(tmp_path):
+    """A snapshot written mid-epoch before `epoch_order` existed (no such field: torch.randperm's order) resumes
+    that epoch in randperm's order and the next in the current one: the same weights as a run that never stopped
+    (its first epoch in randperm's order too); one of an unknown order is refused in one line."""
+    import snapshot as snap
+    from char_dataset import EPOCH_ORDER, LEGACY_ORDER
+
+    common = {"max_epochs": 2, "batch_size": 256, "eval_every_steps": 0, "save_every_steps": 30, "keep_last": 9}
+    whole = make_trainer(snapshots=tmp_path / "whole", **common)
+    assert 40 < whole.steps_per_epoch < 90  # the snapshot at step 30 is mid-epoch, and the run crosses an epoch
+    whole.epoch_order = LEGACY_ORDER  # what the older version ran its first epoch in
+    whole.fit()
+    old = snap.from_bytes((tmp_path / "whole" / snap.snapshot_name(30)).read_bytes(), "step 30")
+    assert old["progress"].pop("epoch_order") == LEGACY_ORDER and old["progress"]["epoch_samples"] > 0
+    old["integrity_sha256"] = snap.integrity_sha256(old)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / snap.snapshot_name(30)).write_bytes(snap.to_bytes(old))
+    resumed = make_trainer(snapshots=tmp_path / "old", **common)
+    resumed.fit()
+    assert resumed.epoch_order == EPOCH_ORDER and resumed.step == whole.step
+    for a, b in zip(whole.raw_model.parameters(), resumed.raw_model.parameters()):
+        assert torch.equal(a, b)
+
+    old["progress"]["epoch_order"] = "feistel-9"
+    old["integrity_sha256"] = snap.integrity_sha256(old)
+    (tmp_path / "old" / snap.snapshot_name(30)).write_bytes(snap.to_bytes(old))
+    for later in (tmp_path / "old").iterdir():
+        if later.name != snap.snapshot_name(30):
+            later.unlink()
+    with pytest.raises(UsageError, match=r"epoch order 'feistel-9' is unknown to this version"):
+        make_trainer(snapshots=tmp_path / "old", **common).fit()
