@@ -173,7 +173,7 @@ class NanoGPTLoop:
         self.optimizer = torch.optim.AdamW(self.model.param_groups(oc.weight_decay), lr=oc.learning_rate,
                                            betas=(oc.beta1, oc.beta2), eps=oc.eps)
         self.learning_rate = oc.learning_rate
-        self.data = torch.from_numpy(corpus.train_dataset().data.astype("int64"))
+        self.data = torch.from_numpy(corpus.ids(0, corpus.n_train).astype("int64"))
         self.x, self.y = self._batch()
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,15 +1,16 @@
 """Character-level data: UTF-8 text from files, folders, globs or fsspec URLs, encoded once into a token cache
-(token_cache.py), served as (x, y) windows of a memory map in an epoch order that needs no memory.
+(token_cache.py), served as (x, y) windows read from it, in an epoch order that needs no memory.
 
     >>> corpus = CharCorpus.load(DataConfig(path="data/input.txt", block_size=128))
     >>> train, val = corpus.train_dataset(), corpus.val_dataset()
     >>> x, y = train[0]            # int64 ids of block_size characters, y shifted by one character
 
 The text is split *before* windows are cut: the first `train_split` of the characters train, the rest validate,
-so no validation window shares a character with a training window. The windows are read from a read-only
-memory map of the cache's token file, so a process's memory does not grow with the corpus and the ranks of a node
-share its pages. The epoch order (`EpochOrder`) is a keyed bijection on the window indices: a pure function of
-(seed, epoch), computed a block at a time. Knows nothing of ranks beyond which positions of the order are one's own.
+so no validation window shares a character with a training window. The windows are read by position from the
+cache's token file (`TokenFile`), so a process's memory does not grow with the corpus and the ranks of a node
+share its pages through the page cache. The epoch order (`EpochOrder`) is a keyed bijection on the window
+indices: a pure function of (seed, epoch), computed a block at a time. Knows nothing of ranks beyond which
+positions of the order are one's own.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from errors import UsageError
-from token_cache import Tokens, default_cache_dir, encode_text, open_tokens
+from token_cache import TokenFile, Tokens, default_cache_dir, encode_text, open_tokens
 
 PROJECT_DIR = Path(__file__).resolve().parent
 
@@ -166,11 +167,11 @@ class CharDataset(Dataset):
 
     Item i is `(data[s : s + block_size], data[s + 1 : s + block_size + 1])` with `s = i * stride`, as int64.
     Training uses stride 1 (every position); evaluation uses stride `block_size`, so every character is predicted
-    exactly once. `data` is a 1-D array of ids (a memory map of the token cache, any numpy array, or a tensor).
-    `windows(indices)` gathers a whole batch with one indexing operation; `__getitems__` lets a DataLoader use it.
+    exactly once. `data` is the ids: a `TokenFile` (a stretch of the token cache, read by position), or an array
+    or tensor in memory. `windows(indices)` reads a whole batch at once; `__getitems__` lets a DataLoader use it.
     """
 
-    def __init__(self, data: np.ndarray | torch.Tensor, block_size: int, stride: int = 1) -> None:
+    def __init__(self, data: TokenFile | np.ndarray | torch.Tensor, block_size: int, stride: int = 1) -> None:
         if isinstance(data, torch.Tensor):
             data = data.numpy()
         if len(data) < block_size + 1:
@@ -194,27 +195,18 @@ class CharDataset(Dataset):
         return windows[:, :-1], windows[:, 1:]
 
     def windows(self, indices: Sequence[int]) -> torch.Tensor:
-        """The windows `indices` as one contiguous (batch, block_size + 1) int64 tensor, one gather: x = w[:, :-1]
-        and y = w[:, 1:]. What the trainer copies to the GPU (one pinned block; x and y are sliced there)."""
+        """The windows `indices` as one contiguous (batch, block_size + 1) int64 tensor: x = w[:, :-1] and
+        y = w[:, 1:]. What the trainer copies to the GPU (one pinned block; x and y are sliced there)."""
         starts = np.asarray(indices, dtype=np.int64) * self.stride
-        return torch.from_numpy(np.asarray(self.data[starts[:, None] + self._offsets], dtype=np.int64))
-
-    def __getstate__(self) -> dict:
-        # A DataLoader worker started by spawn gets the memory map's file and place, not a copy of its contents.
-        state = dict(self.__dict__)
-        if isinstance(self.data, np.memmap):
-            state["data"] = (str(self.data.filename), self.data.dtype.str, self.data.offset, self.data.shape)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        if isinstance(state["data"], tuple):
-            filename, dtype, offset, shape = state["data"]
-            state["data"] = np.memmap(filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=shape)
-        self.__dict__.update(state)
+        if isinstance(self.data, TokenFile):
+            ids = self.data.read(starts, self.block_size + 1)
+        else:
+            ids = self.data[starts[:, None] + self._offsets]
+        return torch.from_numpy(ids.astype(np.int64))
 
 
 class CharCorpus:
-    """The encoded text (a memory map of the token cache), its vocabulary, and the contiguous train/val split."""
+    """The encoded text (in the token cache), its vocabulary, and the contiguous train/validation split."""
 
     def __init__(self, tokens: Tokens | np.ndarray, vocab: CharVocab, cfg: DataConfig, source: str = "<text>") -> None:
         self.cfg, self.vocab, self.source = cfg, vocab, source
@@ -257,17 +249,20 @@ class CharCorpus:
         return f"{self.n_tokens:,} characters of {where}, vocabulary of {len(self.vocab)}{cache}"
 
     def ids(self, start: int, stop: int) -> np.ndarray:
-        """The ids [start, stop) of the (truncated) corpus."""
+        """The ids [start, stop) of the (truncated) corpus, as an array (a memory map of the cache)."""
         if self.tokens is not None:
             return self.tokens.array(start, stop - start)
         return self._array[start:stop]
 
+    def _part(self, start: int, stop: int) -> TokenFile | np.ndarray:
+        return self.tokens.part(start, stop - start) if self.tokens is not None else self._array[start:stop]
+
     def train_dataset(self) -> CharDataset:
-        return CharDataset(self.ids(0, self.n_train), self.cfg.block_size)
+        return CharDataset(self._part(0, self.n_train), self.cfg.block_size)
 
     def val_dataset(self) -> CharDataset:
         """Non-overlapping windows: each validation character is a target exactly once."""
-        return CharDataset(self.ids(self.n_train, self.n_tokens), self.cfg.block_size, stride=self.cfg.block_size)
+        return CharDataset(self._part(self.n_train, self.n_tokens), self.cfg.block_size, stride=self.cfg.block_size)
 
 
 # ------------------------------------------------------------------------------------------------ the epoch order

@@ -75,11 +75,54 @@ class Tokens:
     built_now: bool  # False: an existing cache was reused
 
     def array(self, start: int = 0, count: Optional[int] = None) -> np.ndarray:
-        """The ids [start, start + count) as a read-only memory map (an empty array for none)."""
+        """The ids [start, start + count) as a read-only memory map (an empty array for none): for whole reads."""
         count = self.n_tokens - start if count is None else count
         if count == 0:
             return np.zeros(0, dtype=self.dtype)
         return np.memmap(self.path, dtype=self.dtype, mode="r", offset=start * self.dtype.itemsize, shape=(count,))
+
+    def part(self, start: int, count: int) -> TokenFile:
+        """The ids [start, start + count), read window by window (what training reads)."""
+        return TokenFile(self.path, self.dtype, start, count)
+
+
+class TokenFile:
+    """A stretch of a token file, read by position (one `preadv` a window, into the batch's own buffer).
+
+    Why not a memory map: the kernel's page cache already shares the file's pages between every process that
+    reads it, and a map makes them count as each process's resident memory. With large page-cache folios (Linux
+    6.x) a window touched maps the whole folio around it, up to 2 MB: measured here, 100 batches of 16 random
+    windows of a 608 MB split put 535 MB of it in the process's RSS; read by position, none. The same ids, at
+    the same speed (~1 ms for a batch of 16, the epoch order included, either way).
+    """
+
+    def __init__(self, path: Path, dtype: np.dtype, start: int, count: int) -> None:
+        self.path, self.dtype, self.start, self.count = Path(path), np.dtype(dtype), start, count
+        self._fd: Optional[int] = None
+
+    def __len__(self) -> int:
+        return self.count
+
+    def read(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """The windows [s, s + length) for s in `starts`, as one (len(starts), length) array."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        out = np.empty((len(starts), length), dtype=self.dtype)
+        view, item = memoryview(out).cast("B"), self.dtype.itemsize
+        size = length * item
+        for k, first in enumerate(starts.tolist()):
+            if not 0 <= first <= self.count - length:
+                raise IndexError(f"window [{first}, {first + length}) is outside the {self.count} ids")
+            if os.preadv(self._fd, [view[k * size : (k + 1) * size]], (self.start + first) * item) != size:
+                raise OSError(f"{self.path} ended early: the cache changed under this process")
+        return out
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_fd": None}  # a DataLoader worker opens its own
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
 
 
 # ----------------------------------------------------------------------------------------------------- sources

@@ -90,7 +90,7 @@ def test_split_is_contiguous_and_windows_do_not_cross_it():
     ids = corpus.ids(0, 1000)
     assert corpus.n_train == 900 and len(train) == 900 - 10
     np.testing.assert_array_equal(train.data, ids[:900])  # every training window lies in the first 900 ...
-    np.testing.assert_array_equal(val.data, ids[900:])  # ... every validation window after them
+    np.testing.assert_array_equal(val.data, ids[900:])  # ... every validation window after them (from_text: arrays)
     assert val[0][0].tolist() == ids[900:910].tolist()
     with pytest.raises(IndexError):
         train[len(train)]
@@ -112,17 +112,41 @@ def test_validation_windows_do_not_overlap():
     assert targets.unique().numel() == targets.numel()  # each character is a target at most once
 
 
-def test_windows_come_from_a_memory_map_that_pickles_by_reference(tmp_path):
+def test_windows_are_read_from_the_cache_and_pickle_by_reference(tmp_path):
     import pickle
 
     corpus = load(PROJECT_DIR / "data" / "input.txt", tmp_path / "cache")
-    train = corpus.train_dataset()
-    assert isinstance(train.data, np.memmap)
-    copy = pickle.loads(pickle.dumps(train))
+    train, val = corpus.train_dataset(), corpus.val_dataset()
+    assert isinstance(train.data, token_cache.TokenFile)
+    ids = corpus.ids(0, corpus.n_tokens)
+    assert train.windows([0, 12345]).tolist() == [ids[0:9].tolist(), ids[12345:12354].tolist()]
     assert len(pickle.dumps(train)) < 10_000  # the file and the place in it, not the ids
-    assert torch.equal(copy.windows([0, 12345]), train.windows([0, 12345]))
-    val = corpus.val_dataset()
+    assert torch.equal(pickle.loads(pickle.dumps(train)).windows([7, 99]), train.windows([7, 99]))
     assert corpus.vocab.decode(val[0][0]) == SHAKESPEARE[corpus.n_train : corpus.n_train + 8]
+    last = len(val) - 1
+    assert val.windows([last]).tolist() == [ids[corpus.n_train + 8 * last : corpus.n_train + 8 * last + 9].tolist()]
+    with pytest.raises(IndexError):
+        val.data.read(np.array([len(val.data) - 8]), 9)
+
+
+def resident_mb() -> float:
+    line = next(line for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_reading_windows_leaves_the_resident_memory_flat(tmp_path):
+    """12,800 random windows of a 36 MB split: the process's memory does not grow by the split's size, and
+    nothing of the token file is mapped into it."""
+    path = tmp_path / "big.txt"
+    path.write_text(SHAKESPEARE * 36, encoding="utf-8")
+    train = load(path, tmp_path / "cache").train_dataset()
+    order = EpochOrder(len(train), seed=1, epoch=0)
+    train.windows(order(np.arange(64)))
+    before = resident_mb()
+    for first in range(0, 64 * 200, 64):
+        train.windows(order(np.arange(first, first + 64)))
+    assert resident_mb() - before < 8
+    assert [line for line in open("/proc/self/maps") if str(train.data.path) in line] == []
 
 
 def test_truncate_keeps_the_start():
