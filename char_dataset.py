@@ -39,7 +39,10 @@ class DataConfig:
     path: str = "data/input.txt"
     """UTF-8 text: a file, folder or glob, local (relative = to the project folder) or an fsspec URL (s3://b/x/*.txt)"""
     separator: str = "\n"
-    """text put between two files of a folder or glob (joined in sorted order)"""
+    """text put between two files of a folder or glob (joined in sorted order)
+
+    On the command line, where Hydra keeps a backslash as it is, \\n, \\t and \\\\ mean a newline, a tab and a
+    backslash: data_config.separator='\\n\\n' puts an empty line between files."""
     cache_dir: Optional[str] = None
     """local folder of the encoded-corpus cache (relative = to the project); null = ~/.cache/mingpt-ddp/data"""
     cache_timeout_s: float = 3600.0
@@ -69,6 +72,14 @@ class DataConfig:
         if self.cache_dir is None:
             return default_cache_dir()
         return Path(resolve_path(self.cache_dir))
+
+
+ESCAPES = {"\\n": "\n", "\\t": "\t", "\\\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    """\\n, \\t and \\\\ as a newline, a tab and a backslash; anything else as it is."""
+    return re.sub(r"\\[nt\\]", lambda m: ESCAPES[m.group()], text)
 
 
 # What starts a URL: a scheme (RFC 3986) and a colon. Such a location is parsed as a URL or refused; it is never
@@ -230,8 +241,8 @@ class CharCorpus:
         """The corpus of `cfg.path` from its cache, built here first if needed and `build` (main.py: on local
         rank 0; the other ranks wait for it)."""
         location = resolve_path(cfg.path)
-        tokens = open_tokens(location, cfg.separator, cfg.cache_folder(), build, cfg.cache_timeout_s, progress,
-                             rebuild)
+        tokens = open_tokens(location, unescape(cfg.separator), cfg.cache_folder(), build, cfg.cache_timeout_s,
+                             progress, rebuild)
         return cls(tokens, CharVocab(tokens.vocab), cfg, source=location)
 
     @classmethod

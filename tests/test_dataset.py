@@ -187,6 +187,8 @@ def test_a_folder_and_a_glob_join_their_files_in_sorted_order(tmp_path):
     globbed = load(f"{folder}/*.txt", tmp_path / "cache", separator="<|>")
     assert text_of(globbed) == "ant " * 10 + "<|>" + "bee " * 10
     assert set(globbed.vocab.chars) == set("ant be<|>")  # one vocabulary over all the files, separator included
+    two_lines = load(f"{folder}/*.txt", tmp_path / "cache", separator="\\n\\n")  # as typed on a command line
+    assert text_of(two_lines) == "ant " * 10 + "\n\n" + "bee " * 10
     (folder / "link.txt").symlink_to(folder / "sub" / "c.txt")  # a link to a file is a file
     assert text_of(load(f"{folder}/*.txt", tmp_path / "cache", separator="")).endswith("cat " * 10)
 
