@@ -31,7 +31,15 @@ def progress_bars() -> Optional[Callable[[str, int], Callable[[int], None]]]:
 
     def bar(phase: str, total: int) -> Callable[[int], None]:
         shown = tqdm(total=total, desc=phase, unit="B", unit_scale=True, leave=False, dynamic_ncols=True)
-        return lambda done: shown.update(done) if shown.n + done < total else shown.close()
+
+        def tick(done: int) -> None:
+            if shown.disable:  # closed: the pass is over
+                return
+            shown.update(done)
+            if shown.n >= total:
+                shown.close()
+
+        return tick
 
     return bar
 
