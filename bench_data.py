@@ -79,6 +79,8 @@ def _write_files(folder: Path, pieces: list[bytes], size_mb: float, files: int) 
             while size < per_file:
                 piece = pieces[written % len(pieces)][: per_file - size]
                 piece = piece[: len(piece.decode("utf-8", errors="ignore").encode("utf-8"))]  # whole characters
+                if not piece:  # fewer bytes left than the next character has
+                    break
                 f.write(piece)
                 size, written = size + len(piece), written + 1
     return folder

@@ -64,6 +64,10 @@ class DataConfig:
         if not self.cache_timeout_s > 0:
             raise UsageError(f"data_config.cache_timeout_s must be positive, got {self.cache_timeout_s}")
         check_location(self.path, "data_config.path")  # a malformed URL fails here, before Hydra makes a run folder
+        try:
+            unescape(self.separator).encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError(f"data_config.separator {self.separator!r} is not valid text (a lone surrogate)") from None
         if self.cache_dir is not None and check_location(self.cache_dir, "data_config.cache_dir"):
             raise UsageError(f"data_config.cache_dir must be a local folder (the cache is memory-mapped), got "
                              f"{self.cache_dir!r}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
 import hashlib
 import json
 import logging
@@ -52,6 +53,8 @@ UNICODE_SIZE = 0x110000
 CONTINUATION_BYTES = bytes(range(0x80, 0xC0))
 ASCII_MARK = 0xFF  # an ASCII character's id is below 128 (ASCII sorts first): 0xFF marks the other characters
 WAIT_POLL_S = 0.2
+NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}  # file systems without flock (Lustre...)
+ROOM_MARGIN = 64 << 10  # the file system's own blocks, on top of what is written
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,8 @@ class Source:
 
 @dataclass
 class Tokens:
-    """An opened cache: the token file and what it encodes."""
+    """An opened, verified cache: the token file and what it encodes. `fd` holds the file open with a shared
+    flock, so that a rebuild (another job, `prepare.py --rebuild`) leaves it in place while this process uses it."""
 
     path: Path
     dtype: np.dtype
@@ -73,6 +77,7 @@ class Tokens:
     vocab: str
     sources: list[Source]
     built_now: bool  # False: an existing cache was reused
+    fd: int
 
     def array(self, start: int = 0, count: Optional[int] = None) -> np.ndarray:
         """The ids [start, start + count) as a read-only memory map (an empty array for none): for whole reads."""
@@ -83,7 +88,30 @@ class Tokens:
 
     def part(self, start: int, count: int) -> TokenFile:
         """The ids [start, start + count), read window by window (what training reads)."""
-        return TokenFile(self.path, self.dtype, start, count)
+        return TokenFile(self.path, self.dtype, start, count, fd=os.dup(self.fd))
+
+    def __del__(self) -> None:
+        _close(getattr(self, "fd", None))
+
+
+def _pinned(path: Path) -> int:
+    """A descriptor of `path` holding a shared flock on it: leftover removal skips a token file in use."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError as e:
+        if e.errno not in NO_LOCKS:
+            os.close(fd)
+            raise
+    return fd
+
+
+def _close(fd: Optional[int]) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class TokenFile:
@@ -93,12 +121,13 @@ class TokenFile:
     reads it, and a map makes them count as each process's resident memory. With large page-cache folios (Linux
     6.x) a window touched maps the whole folio around it, up to 2 MB: measured here, 100 batches of 16 random
     windows of a 608 MB split put 535 MB of it in the process's RSS; read by position, none. The same ids, at
-    the same speed (~1 ms for a batch of 16, the epoch order included, either way).
+    the same speed (~1 ms for a batch of 16, the epoch order included, either way). A copy sent to a DataLoader
+    worker by pickling opens the file again by name (the parent's lock keeps it there).
     """
 
-    def __init__(self, path: Path, dtype: np.dtype, start: int, count: int) -> None:
+    def __init__(self, path: Path, dtype: np.dtype, start: int, count: int, fd: Optional[int] = None) -> None:
         self.path, self.dtype, self.start, self.count = Path(path), np.dtype(dtype), start, count
-        self._fd: Optional[int] = None
+        self._fd = fd
 
     def __len__(self) -> int:
         return self.count
@@ -106,7 +135,7 @@ class TokenFile:
     def read(self, starts: np.ndarray, length: int) -> np.ndarray:
         """The windows [s, s + length) for s in `starts`, as one (len(starts), length) array."""
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
+            self._fd = _pinned(self.path)
         out = np.empty((len(starts), length), dtype=self.dtype)
         view, item = memoryview(out).cast("B"), self.dtype.itemsize
         size = length * item
@@ -121,8 +150,7 @@ class TokenFile:
         return {**self.__dict__, "_fd": None}  # a DataLoader worker opens its own
 
     def __del__(self) -> None:
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
+        _close(getattr(self, "_fd", None))
 
 
 # ----------------------------------------------------------------------------------------------------- sources
@@ -133,7 +161,10 @@ def list_sources(location: str) -> list[Source]:
     """The files of a location (file, folder, glob; local or fsspec URL), sorted by path, with their identity."""
     try:
         fs, path = fsspec.core.url_to_fs(location)
-        if GLOB_CHARS.search(path):
+        remote = not isinstance(fs, fsspec.implementations.local.LocalFileSystem)
+        if not remote:
+            return _local_sources(path)
+        if GLOB_CHARS.search(path) and not fs.exists(path):  # "book [1].txt" is a name, not a pattern
             # Like a shell's glob, a wildcard does not match a name that starts with a dot (unless written so).
             root = path[: GLOB_CHARS.search(path).start()].rsplit("/", 1)[0]
             found = {name: info for name, info in fs.glob(path, detail=True).items()
@@ -144,9 +175,7 @@ def list_sources(location: str) -> list[Source]:
             what = "is a folder without files"
         else:
             found, what = {path: fs.info(path)}, "is not a file"
-        remote = not isinstance(fs, fsspec.implementations.local.LocalFileSystem)
-        sources = [_source(fs, name, info, remote) for name, info in sorted(found.items())
-                   if _is_file(name, info, remote)]
+        sources = [_source(fs, name, info) for name, info in sorted(found.items()) if info.get("type") == "file"]
     except FileNotFoundError as e:
         cause = e.__cause__
         if isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError):
@@ -163,29 +192,61 @@ def list_sources(location: str) -> list[Source]:
     return sources
 
 
-def _is_file(name: str, info: dict, remote: bool) -> bool:
-    """A regular file, or locally a symbolic link to one (fsspec lists links as "other"); a broken link among
-    the files is an error, not a file silently left out."""
-    if remote or not info.get("islink"):
-        return info.get("type") == "file"
-    if not os.path.exists(name):
-        raise UsageError(f"data file {name} is a broken symbolic link (to {os.readlink(name)})")
-    return os.path.isfile(name)
-
-
 def _hidden(name: str, folder: str) -> bool:
     """A file under the folder whose name, or a folder's on the way to it, starts with a dot (.DS_Store, .git/)."""
     relative = name[len(folder.rstrip("/")):] if name.startswith(folder.rstrip("/")) else name
     return any(part.startswith(".") for part in relative.split("/") if part)
 
 
-def _source(fs, name: str, info: dict, remote: bool) -> Source:
-    if not remote:
-        stat = os.stat(name)
-        return Source(name, stat.st_size, str(stat.st_mtime_ns))
+def _source(fs, name: str, info: dict) -> Source:
     version = next((str(info[k]) for k in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified",
                                            "updated", "created") if info.get(k) is not None), "")
     return Source(fs.unstrip_protocol(name), int(info.get("size") or 0), version)
+
+
+def _local_sources(path: str) -> list[Source]:
+    """Local files, walked with os.walk so that a folder that cannot be read is an error, not files silently left
+    out (fsspec's walk omits it); links to files are followed, links to folders are not (no cycles)."""
+    if GLOB_CHARS.search(path) and not os.path.exists(path):  # "book [1].txt" is a name, not a pattern
+        _list_folders_of(path)
+        names, what = glob.glob(path, recursive=True), "matches no file"  # as a shell: * skips .hidden names
+    elif os.path.isdir(path):
+        names, what = [n for n in _walk(path) if not _hidden(n, path)], "is a folder without files"
+    elif os.path.lexists(path):
+        names, what = [path], "is not a file"
+    else:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+    sources = []
+    for name in sorted(names):
+        if os.path.islink(name) and not os.path.exists(name):
+            raise UsageError(f"data file {name} is a broken symbolic link (to {os.readlink(name)})")
+        if os.path.isfile(name):
+            stat = os.stat(name)
+            sources.append(Source(name, stat.st_size, str(stat.st_mtime_ns)))
+    if not sources:
+        raise UsageError(f"data_config.path {path!r} {what}")
+    return sources
+
+
+def _list_folders_of(pattern: str) -> None:
+    """List the folders a glob looks into, so that one that cannot be read is an error (glob skips it)."""
+    parent = os.path.dirname(pattern)
+    if "**" in pattern:
+        root = pattern[: GLOB_CHARS.search(pattern).start()].rsplit("/", 1)[0] or "/"
+        for _ in _walk(root):
+            pass
+        return
+    for folder in glob.glob(parent) if GLOB_CHARS.search(parent) else [parent]:
+        if os.path.isdir(folder):
+            os.listdir(folder)
+
+
+def _walk(root: str) -> Iterator[str]:
+    def unreadable(error: OSError) -> None:
+        raise error
+
+    for folder, _, files in os.walk(root, onerror=unreadable):
+        yield from (os.path.join(folder, name) for name in files)
 
 
 def _unreadable(location: str, error: BaseException) -> UsageError:
@@ -229,6 +290,12 @@ def utf8_chunks(stream: BinaryIO, name: str, chunk_bytes: int = CHUNK_BYTES) -> 
         if chunk:
             yield chunk
     if carry:
+        try:
+            carry.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if e.reason != "unexpected end of data":  # an invalid byte, not a character cut short
+                raise UsageError(f"data file {name} is not UTF-8 text (invalid byte at offset {offset + e.start})"
+                                 ) from None
         raise UsageError(f"data file {name} is not UTF-8 text (it ends inside a character, at offset {offset})")
 
 
@@ -355,22 +422,60 @@ def open_tokens(location: str, separator: str, cache_dir: Path, build: bool = Tr
     sources = list_sources(location)
     entry = CacheEntry(entry_dir(cache_dir, location, separator), location, separator)
     deadline = time.monotonic() + timeout_s
+    if build:
+        return _open_or_build(entry, sources, deadline, progress, rebuild)
+    judged, why = None, "no cache yet"
     while True:
-        if not rebuild:
+        # A waiter reads (and checks the CRC of) each manifest once: re-reading an unchanged, unusable cache
+        # under the shared lock, over and over, could keep the builder's exclusive lock out until the timeout.
+        seen = entry.manifest_stamp()
+        if seen != judged:
+            if seen is not None:
+                sources = list_sources(location)  # the builder may have seen newer files than this process did
             with entry.locked(shared=True, deadline=deadline):
                 tokens, why = entry.read(sources)
             if tokens is not None:
                 return tokens
-        if build:
-            with entry.locked(shared=False, deadline=deadline):
-                tokens, why = (None, "asked to rebuild") if rebuild else entry.read(sources)
-                if tokens is not None:
-                    return tokens  # another process built it meanwhile
-                return entry.build(sources, why, progress)
+            judged = seen
         if time.monotonic() > deadline:
             raise UsageError(f"waited {timeout_s:g} s for the data cache {entry.dir} to be built by another process "
                              f"(local rank 0; {why}); data_config.cache_timeout_s sets the wait")
         time.sleep(WAIT_POLL_S)
+
+
+def _open_or_build(entry: CacheEntry, sources: list[Source], deadline: float, progress, rebuild: bool) -> Tokens:
+    if not rebuild:
+        with entry.locked(shared=True, deadline=deadline):
+            tokens, _ = entry.read(sources)
+        if tokens is not None:
+            return tokens
+    with entry.locked(shared=False, deadline=deadline):
+        tokens, why = (None, "asked to rebuild") if rebuild else entry.read(sources)
+        if tokens is not None:
+            return tokens  # another process built it meanwhile
+        return entry.build(sources, why, progress)
+
+
+def _flock(handle, mode: int, deadline: float, folder: Path) -> bool:
+    """flock, polled until `deadline` (then one line naming the last builder). False where the file system has
+    no locks (some Lustre, NFS and FUSE mounts): the renames still keep every reader's view whole."""
+    while True:
+        try:
+            fcntl.flock(handle, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                handle.seek(0)
+                builder = handle.read().strip() or "unknown"
+                raise UsageError(f"the data cache {folder} stayed locked past data_config.cache_timeout_s (the last "
+                                 f"process to build it: {builder})") from None
+            time.sleep(WAIT_POLL_S)
+        except OSError as e:
+            if e.errno in NO_LOCKS:
+                log.warning("warning: the file system of %s has no file locks: two processes could build the "
+                            "data cache at once", folder)
+                return False
+            raise
 
 
 class CacheEntry:
@@ -379,6 +484,14 @@ class CacheEntry:
     def __init__(self, path: Path, location: str, separator: str) -> None:
         self.dir, self.location, self.separator = path, location, separator
         self.manifest_path = path / "manifest.json"
+
+    def manifest_stamp(self) -> Optional[tuple[int, int, int]]:
+        """What changes whenever a manifest is written (it is replaced by a rename): inode, mtime, size."""
+        try:
+            stat = self.manifest_path.stat()
+        except OSError:
+            return None
+        return stat.st_ino, stat.st_mtime_ns, stat.st_size
 
     # ---------------------------------------------------------------------------------------------- lock
     @contextlib.contextmanager
@@ -395,19 +508,8 @@ class CacheEntry:
             raise UsageError(f"cannot use the data cache folder {self.dir}: {e.strerror or e}; set "
                              f"data_config.cache_dir to a writable local folder") from None
         with handle:
-            mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-            while True:
-                try:
-                    fcntl.flock(handle, mode | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        handle.seek(0)
-                        holder = handle.read().strip() or "another process"
-                        raise UsageError(f"the data cache {self.dir} stayed locked by {holder} past "
-                                         f"data_config.cache_timeout_s") from None
-                    time.sleep(WAIT_POLL_S)
-            if not shared:
+            locked = _flock(handle, fcntl.LOCK_SH if shared else fcntl.LOCK_EX, deadline, self.dir)
+            if locked and not shared:
                 handle.seek(0)
                 handle.truncate()
                 handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -415,7 +517,8 @@ class CacheEntry:
             try:
                 yield
             finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+                if locked:
+                    fcntl.flock(handle, fcntl.LOCK_UN)
 
     # ---------------------------------------------------------------------------------------------- reading
     def read(self, sources: list[Source]) -> tuple[Optional[Tokens], str]:
@@ -446,14 +549,19 @@ class CacheEntry:
         path = self.dir / manifest["tokens_file"]
         expected = manifest["n_tokens"] * dtype.itemsize
         try:
-            size = path.stat().st_size
-            if size != expected:
-                return None, self._damaged(f"{path.name} has {size} bytes, the manifest says {expected}")
-            if _file_crc32(path) != manifest["tokens_crc32"]:
-                return None, self._damaged(f"{path.name} does not match its CRC-32")
+            fd = _pinned(path)
         except OSError as e:
             return None, self._damaged(f"{path.name} is unreadable ({e.strerror or e})")
-        return Tokens(path, dtype, manifest["n_tokens"], manifest["vocab"], sources, built_now=False), ""
+        try:
+            size = os.fstat(fd).st_size
+            why = f"{path.name} has {size} bytes, the manifest says {expected}" if size != expected else (
+                f"{path.name} does not match its CRC-32" if _crc32_of(fd) != manifest["tokens_crc32"] else "")
+        except OSError as e:
+            why = f"{path.name} is unreadable ({e.strerror or e})"
+        if why:
+            os.close(fd)
+            return None, self._damaged(why)
+        return Tokens(path, dtype, manifest["n_tokens"], manifest["vocab"], sources, built_now=False, fd=fd), ""
 
     @staticmethod
     def _damaged(what: str) -> str:
@@ -461,36 +569,45 @@ class CacheEntry:
 
     # ---------------------------------------------------------------------------------------------- building
     def build(self, sources: list[Source], why: str, progress=None) -> Tokens:
-        """Encode the sources into a new token file and manifest (under the exclusive lock)."""
+        """Encode the sources into a new token file and manifest (under the exclusive lock). A build that fails
+        leaves nothing behind: no token file, no copy of a remote file."""
         start = time.perf_counter()
         total = sum(s.size for s in sources)
         log.log(logging.WARNING if why.startswith("damaged") else logging.INFO,
                 "data: encoding %s (%d file%s, %s bytes) into the cache %s (%s)", self.location, len(sources),
                 "s" if len(sources) > 1 else "", f"{total:,}", self.dir, why)
         self._remove_leftovers()
+        path = self.dir / f"tokens-{uuid.uuid4().hex[:12]}.bin"
         spools: dict[str, Path] = {}
         try:
             scan = self._scan(sources, spools, progress)
             vocab = scan.vocab()
             encoder = Encoder(vocab)
-            self._check_room(scan.n_chars * encoder.dtype.itemsize, "the token file")
-            name = f"tokens-{uuid.uuid4().hex[:12]}.bin"
-            crc, n_tokens = self._write_tokens(sources, spools, encoder, self.dir / name, progress)
+            self._check_room(scan.n_chars * encoder.dtype.itemsize + 4 * len(vocab), "the token file and manifest")
+            crc, n_tokens = self._write_tokens(sources, spools, encoder, path, progress)
+            if list_sources(self.location) != sources:
+                raise UsageError(f"the data files of {self.location} changed while they were being encoded: run "
+                                 f"again")
+            self._write_manifest(sources, vocab, n_tokens, encoder.dtype, path.name, crc)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         finally:
             for spool in spools.values():
                 spool.unlink(missing_ok=True)
-        if list_sources(self.location) != sources:
-            raise UsageError(f"the data files of {self.location} changed while they were being encoded: run again")
-        manifest = {"format_version": FORMAT_VERSION, "location": self.location, "separator": self.separator,
-                    "sources": [asdict(s) for s in sources], "vocab": vocab, "n_tokens": n_tokens,
-                    "dtype": encoder.dtype.name, "tokens_file": name, "tokens_crc32": crc}
-        manifest["manifest_sha256"] = _digest(manifest)
-        _write_atomically(self.manifest_path, json.dumps(manifest, ensure_ascii=False, indent=1).encode())
-        self._remove_leftovers(keep=name)
+        self._remove_leftovers()
         seconds = time.perf_counter() - start
         log.info("data: encoded %s characters (vocabulary of %d) in %.1f s, %.0f MB/s", f"{n_tokens:,}", len(vocab),
                  seconds, total / max(seconds, 1e-9) / 1e6)
-        return Tokens(self.dir / name, encoder.dtype, n_tokens, vocab, sources, built_now=True)
+        return Tokens(path, encoder.dtype, n_tokens, vocab, sources, built_now=True, fd=_pinned(path))
+
+    def _write_manifest(self, sources: list[Source], vocab: str, n_tokens: int, dtype: np.dtype, name: str,
+                        crc: int) -> None:
+        manifest = {"format_version": FORMAT_VERSION, "location": self.location, "separator": self.separator,
+                    "sources": [asdict(s) for s in sources], "vocab": vocab, "n_tokens": n_tokens,
+                    "dtype": dtype.name, "tokens_file": name, "tokens_crc32": crc}
+        manifest["manifest_sha256"] = _digest(manifest)
+        _write_atomically(self.manifest_path, json.dumps(manifest, ensure_ascii=False, indent=1).encode())
 
     def _scan(self, sources: list[Source], spools: dict[str, Path], progress) -> CharScan:
         """The first pass: vocabulary and length; remote files copied into the folder on the way."""
@@ -500,15 +617,16 @@ class CacheEntry:
             self._check_room(sum(s.size for s in remote), "local copies of the remote files")
         tick = progress("scanning", sum(s.size for s in sources)) if progress else None
         for i, source in enumerate(sources):
-            spool = None
-            if source in remote:
-                spools[source.path] = self.dir / f"source-{uuid.uuid4().hex[:12]}.tmp"
-                spool = open(spools[source.path], "wb")
-            with _open_source(source) as stream, (spool or contextlib.nullcontext()):
+            with _no_room_on_enospc(self.dir), contextlib.ExitStack() as files:
+                stream = files.enter_context(_open_source(source))
+                spool = None
+                if source in remote:
+                    spools[source.path] = self.dir / f"source-{uuid.uuid4().hex[:12]}.tmp"
+                    spool = files.enter_context(open(spools[source.path], "wb"))
                 for chunk in utf8_chunks(stream, source.path):
                     scan.add(chunk)
                     if spool is not None:
-                        _write(spool, chunk, self.dir)
+                        spool.write(chunk)
                     if tick:
                         tick(len(chunk))
             if i + 1 < len(sources):
@@ -522,7 +640,7 @@ class CacheEntry:
         """The second pass: ids into a temporary file, renamed into place once complete. (CRC-32, count)."""
         tmp = path.with_suffix(".tmp")
         try:
-            with open(tmp, "wb") as out:
+            with _no_room_on_enospc(self.dir), open(tmp, "wb") as out:
                 crc, count = self._encode_into(out, sources, spools, encoder, progress)
                 out.flush()
                 os.fsync(out.fileno())
@@ -542,25 +660,49 @@ class CacheEntry:
                 for chunk in utf8_chunks(stream, source.path):
                     ids = encoder.encode(chunk)
                     crc, count = zlib.crc32(ids, crc), count + ids.size
-                    _write(out, ids, self.dir)
+                    out.write(ids)
                     if tick:
                         tick(len(chunk))
             if i + 1 < len(sources):
                 crc, count = zlib.crc32(separator, crc), count + separator.size
-                _write(out, separator, self.dir)
+                out.write(separator)
         return crc, count
 
     def _check_room(self, needed: int, what: str) -> None:
         free = shutil.disk_usage(self.dir).free
+        needed += ROOM_MARGIN
         if needed > free:
             raise _no_room(self.dir, f"{what}: {needed:,} bytes needed, {free:,} free")
 
-    def _remove_leftovers(self, keep: str = "") -> None:
-        """Temporary files of builds that died, and token files no manifest names (a process that still maps
-        one keeps reading it: an unlinked file lives on while mapped)."""
+    def _remove_leftovers(self) -> None:
+        """Under the exclusive lock: temporary files of builds that died, and token files the manifest does not
+        name, unless a process still reads one (it holds a shared flock on it: see `_pinned`)."""
+        current = self._named_tokens_file()
         for path in self.dir.iterdir():
-            if path.suffix == ".tmp" or (path.name.startswith("tokens-") and path.name != keep and keep):
+            if path.suffix == ".tmp":
                 path.unlink(missing_ok=True)
+            elif path.name.startswith("tokens-") and path.name != current:
+                _unlink_unless_in_use(path)
+
+    def _named_tokens_file(self) -> str:
+        try:
+            return str(json.loads(self.manifest_path.read_text(encoding="utf-8")).get("tokens_file", ""))
+        except (OSError, ValueError, AttributeError):
+            return ""
+
+
+def _unlink_unless_in_use(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass  # in use (or no locks here: then kept, and removed by a later build)
+    finally:
+        os.close(fd)
 
 
 def _changes(old: list[dict], sources: list[Source]) -> str:
@@ -576,9 +718,11 @@ def _no_room(folder: Path, detail: str) -> UsageError:
                       f"data_config.cache_dir to a folder on a larger disk")
 
 
-def _write(handle: BinaryIO, data, folder: Path) -> None:
+@contextlib.contextmanager
+def _no_room_on_enospc(folder: Path) -> Iterator[None]:
+    """A full disk while writing, flushing, syncing or closing -> one line, not a traceback."""
     try:
-        handle.write(data)
+        yield
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise _no_room(folder, "the disk filled up while it was being written") from None
@@ -588,8 +732,8 @@ def _write(handle: BinaryIO, data, folder: Path) -> None:
 def _write_atomically(path: Path, data: bytes) -> None:
     tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            _write(f, data, path.parent)
+        with _no_room_on_enospc(path.parent), open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -606,12 +750,11 @@ def _digest(body: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
-def _file_crc32(path: Path, block: int = 16 << 20) -> int:
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        buffer = bytearray(block)
-        view = memoryview(buffer)
-        while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
+def _crc32_of(fd: int, block: int = 16 << 20) -> int:
+    """The CRC-32 of a whole open file, read from its start."""
+    crc, offset = 0, 0
+    buffer = bytearray(block)
+    view = memoryview(buffer)
+    while n := os.preadv(fd, [buffer], offset):
+        crc, offset = zlib.crc32(view[:n], crc), offset + n
     return crc
-

@@ -199,8 +199,8 @@ CASES: dict[str, Case] = {
         error=r"data file .*/books/b\.txt is not UTF-8 text \(invalid byte at offset 3\)$"),
     "data: no room for the cache": Case(
         ["data_config.cache_dir={d}/small", "data_config.truncate=1.0"], prepare=lambda d, s: small_disk(d / "small"),
-        error=r"no room for the data cache in .*/small/input\.txt-\w+ \(the token file: 1,115,394 bytes needed, "
-        r"[\d,]+ free\): free some space or set data_config\.cache_dir"),
+        error=r"no room for the data cache in .*/small/input\.txt-\w+ \(the token file and manifest: 1,181,190 bytes "
+        r"needed, [\d,]+ free\): free some space or set data_config\.cache_dir"),
     "data: a cache written by a newer version": Case(
         ["data_config.path={d}/t.txt", "data_config.cache_dir={d}/cache", "data_config.truncate=1.0"],
         prepare=lambda d, s: newer_cache(d),

@@ -2,6 +2,7 @@
 encoded-corpus cache (reuse, rebuild, damage, locking, room) and the epoch order."""
 
 import fcntl
+import gc
 import io
 import json
 import os
@@ -9,6 +10,7 @@ import random
 import threading
 import time
 import tracemalloc
+from pathlib import Path
 
 import fsspec
 import numpy as np
@@ -263,10 +265,15 @@ def test_the_cache_is_reused_while_the_sources_are_unchanged_and_rebuilt_when_th
     changed = load(folder, cache)
     assert changed.tokens.built_now and text_of(changed) == "one " * 20 + "\n" + "three " * 20
     books(folder, {"c.txt": "four " * 20})  # a file added
+    entry, in_use = changed.tokens.path.parent, changed.tokens.path
     assert load(folder, cache).tokens.built_now
-    entry = changed.tokens.path.parent
+    assert in_use.exists() and text_of(changed) == "one " * 20 + "\n" + "three " * 20  # still read here: kept
+    del first, again, changed
+    gc.collect()
+    (folder / "a.txt").write_text("five " * 20, encoding="utf-8")
+    latest = load(folder, cache)
     names = sorted(p.name for p in entry.iterdir())
-    assert names[:2] == ["lock", "manifest.json"] and len(names) == 3  # the replaced token files are gone
+    assert names == ["lock", "manifest.json", latest.tokens.path.name]  # the replaced token files are gone
 
 
 def corrupt_tokens(entry):
@@ -328,13 +335,13 @@ def small_disk(tmp_path):
 
 
 def test_no_room_for_the_cache_is_one_line_and_leaves_nothing_behind(tmp_path, small_disk):
-    with pytest.raises(UsageError, match=r"no room for the data cache in .*small/input\.txt-\w+ \(the token file: "
-                                         r"1,115,394 bytes needed, [\d,]+ free\)"):
+    with pytest.raises(UsageError, match=r"no room for the data cache in .*small/input\.txt-\w+ \(the token file "
+                                         r"and manifest: 1,181,190 bytes needed, [\d,]+ free\)"):
         load(PROJECT_DIR / "data" / "input.txt", small_disk)
     remote = "memory://big/corpus.txt"
     with fsspec.open(remote, "wb") as f:
         f.write(SHAKESPEARE.encode())
-    with pytest.raises(UsageError, match=r"local copies of the remote files: 1,115,394 bytes needed"):
+    with pytest.raises(UsageError, match=r"local copies of the remote files: 1,180,930 bytes needed"):
         load(remote, small_disk)
     assert [p.name for p in small_disk.rglob("*") if p.is_file()] == ["lock", "lock"]
 
@@ -345,6 +352,45 @@ def test_a_cache_prepared_on_a_read_only_file_system_is_used_as_it_is(tmp_path, 
     assert os.system(f"mount -o remount,ro {small_disk}") == 0
     corpus = load(path, small_disk)
     assert not corpus.tokens.built_now and text_of(corpus) == SHAKESPEARE[:5000]
+
+
+def test_a_rebuild_leaves_the_token_file_a_reader_still_uses(tmp_path):
+    """Another job (here: a rebuild in this process) replaces the cache while a corpus is open: its splits, even
+    one not read before the rebuild, still read the ids they were opened with."""
+    path = books(tmp_path, {"t.txt": SHAKESPEARE[:5000]}) / "t.txt"
+    corpus = load(path, tmp_path / "cache")
+    train, val = corpus.train_dataset(), corpus.val_dataset()
+    train.windows([0])
+    rebuilt = open_tokens(str(path), "\n", tmp_path / "cache", rebuild=True)
+    assert rebuilt.path != corpus.tokens.path and corpus.tokens.path.exists()
+    assert corpus.vocab.decode(val.windows([0])[0]) == SHAKESPEARE[corpus.n_train : corpus.n_train + 9]
+
+
+def test_a_failed_build_leaves_nothing_behind(tmp_path):
+    folder = books(tmp_path / "books", {"a.txt": SHAKESPEARE[:5000], "b.txt": "fine"})
+    (folder / "c.txt").write_bytes(b"ok \xff")
+    with pytest.raises(UsageError, match="not UTF-8"):
+        load(folder, tmp_path / "cache")
+    assert [p.name for p in entry_dir(tmp_path / "cache", str(folder), "\n").iterdir()] == ["lock"]
+
+
+def test_a_waiter_checks_an_unusable_cache_once_not_at_every_poll(tmp_path, monkeypatch):
+    """A waiting rank that found the cache damaged does not read it again until a new manifest appears: reading
+    it under the shared lock at every poll could keep the builder out (flock has no queue)."""
+    path = books(tmp_path, {"t.txt": SHAKESPEARE[:5000]}) / "t.txt"
+    cache = tmp_path / "cache"
+    del load(path, cache).tokens  # built, then closed
+    corrupt_tokens(entry_dir(cache, str(path), "\n"))
+    checks = []
+    real = token_cache._crc32_of
+    monkeypatch.setattr(token_cache, "_crc32_of", lambda fd: checks.append(1) or real(fd))
+    waiter = threading.Thread(target=lambda: checks.append(open_tokens(str(path), "\n", cache, build=False)))
+    waiter.start()
+    time.sleep(1.5)  # ~7 polls
+    assert len(checks) == 1
+    open_tokens(str(path), "\n", cache)  # the builder: rebuilds
+    waiter.join(10)
+    assert isinstance(checks[-1], token_cache.Tokens) and checks[-1].n_tokens == 5000
 
 
 def hold_lock(entry, seconds: float) -> threading.Thread:
@@ -377,12 +423,13 @@ def test_a_process_that_does_not_build_waits_for_one_that_does(tmp_path):
     assert waited.n_tokens == 5000 and not waited.built_now
 
 
-def test_a_builder_waits_for_the_lock_and_names_its_holder_when_it_gives_up(tmp_path):
+def test_a_builder_waits_for_the_lock_and_names_its_last_builder_when_it_gives_up(tmp_path):
     path = books(tmp_path, {"t.txt": SHAKESPEARE[:5000]}) / "t.txt"
     cache = tmp_path / "cache"
     entry = entry_dir(cache, str(path), "\n")
     hold_lock(entry, 1.0)
-    with pytest.raises(UsageError, match=r"stayed locked by pid 4242 on testhost past data_config.cache_timeout_s"):
+    with pytest.raises(UsageError, match=r"stayed locked past data_config.cache_timeout_s \(the last process to "
+                                         r"build it: pid 4242 on testhost\)"):
         open_tokens(str(path), "\n", cache, timeout_s=0.3)
     hold_lock(entry, 0.5).join(0)
     assert open_tokens(str(path), "\n", cache, timeout_s=30).n_tokens == 5000  # once it is free
@@ -459,3 +506,36 @@ def test_the_legacy_order_is_the_one_older_snapshots_began_their_epoch_in():
     old = torch.randperm(100, generator=generator)[10:]
     old = torch.cat([old, old[:len(sampler) * 3 - old.numel()]])
     assert list(sampler) == old[2::3].tolist()
+
+
+def test_an_unreadable_folder_among_many_is_named_not_left_out():
+    """As another user (setpriv, from root): a folder of the corpus that cannot be listed stops the job in one
+    line, for a folder and for a glob, instead of its files quietly missing from the corpus."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c"]
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv")
+    if subprocess.run([*as_nobody, "import numpy, fsspec"], capture_output=True).returncode != 0:
+        pytest.skip("this Python cannot run as another user here")
+    base = Path(tempfile.mkdtemp(prefix="mingpt-unreadable-"))
+    try:
+        books(base / "corpus", {"a/1.txt": "readable " * 10, "b/2.txt": "hidden from nobody " * 10})
+        os.system(f"chmod -R a+rX {base}")
+        (base / "corpus" / "b").chmod(0)
+        script = (f"import sys; sys.path.insert(0, {str(PROJECT_DIR)!r}); import token_cache; "
+                  f"from errors import UsageError\n"
+                  f"for where in sys.argv[1:]:\n"
+                  f"    try: print('listed', token_cache.list_sources(where))\n"
+                  f"    except UsageError as e: print(e)")
+        result = subprocess.run([*as_nobody, script, str(base / "corpus"), f"{base}/corpus/*/*.txt"],
+                                capture_output=True, text=True, timeout=60)
+        lines = result.stdout.splitlines()
+        assert len(lines) == 2 and all(f"cannot read data file {base}/corpus/b: PermissionError" in line
+                                       for line in lines), result.stdout + result.stderr
+    finally:
+        (base / "corpus" / "b").chmod(0o755)
+        shutil.rmtree(base)
