@@ -155,7 +155,7 @@ def read_metrics(source: Path) -> list[dict]:
     line still being written (no newline yet) is left out, and so is one a killed writer left broken."""
     try:
         text = metrics_path(source).read_text(encoding="utf-8")
-    except FileNotFoundError:
+    except (FileNotFoundError, IsADirectoryError):  # not there yet (the run directory appeared just now: no rows)
         return []
     rows = []
     for line in text.split("\n")[:-1]:
