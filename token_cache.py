@@ -166,7 +166,7 @@ def list_sources(location: str) -> list[Source]:
             return _local_sources(path)
         if GLOB_CHARS.search(path) and not fs.exists(path):  # "book [1].txt" is a name, not a pattern
             # Like a shell's glob, a wildcard does not match a name that starts with a dot (unless written so).
-            root = path[: GLOB_CHARS.search(path).start()].rsplit("/", 1)[0]
+            root = _glob_root(path)
             found = {name: info for name, info in fs.glob(path, detail=True).items()
                      if "/." in path[len(root):] or not _hidden(name, root)}
             what = "matches no file"
@@ -190,6 +190,11 @@ def list_sources(location: str) -> list[Source]:
     if not sources:
         raise UsageError(f"data_config.path {location!r} {what}")
     return sources
+
+
+def _glob_root(pattern: str) -> str:
+    """The folder a glob starts in: everything before the folder of its first wildcard."""
+    return pattern[: GLOB_CHARS.search(pattern).start()].rsplit("/", 1)[0]
 
 
 def _hidden(name: str, folder: str) -> bool:
@@ -232,7 +237,7 @@ def _list_folders_of(pattern: str) -> None:
     """List the folders a glob looks into, so that one that cannot be read is an error (glob skips it)."""
     parent = os.path.dirname(pattern)
     if "**" in pattern:
-        root = pattern[: GLOB_CHARS.search(pattern).start()].rsplit("/", 1)[0] or "/"
+        root = _glob_root(pattern) or "/"
         for _ in _walk(root):
             pass
         return
