@@ -6,6 +6,7 @@
     python bench.py --snapshots 3                                        # + time training is blocked per snapshot
     python bench.py --steps 50 --json result.json trainer_config.compile=true gpt_config.n_layer=12 ...
     python bench.py --baseline nanogpt preset=nanogpt_cpu                # + nanoGPT's CPU loop, step for step
+    torchrun --standalone --nproc_per_node=2 bench.py --snapshots 3 trainer_config.strategy=fsdp  # sharded
     torchrun --standalone --nproc_per_node=2 bench.py --scaling preset=nanogpt_cpu  # + against 1 process alone
 
 Arguments starting with `--` are the benchmark's own; everything else is a Hydra override, exactly as for main.py.
@@ -17,6 +18,11 @@ MFU = model FLOPs per token (6 N + 12 n_layer n_embd block_size) x tokens/s / (p
 its dense datasheet peak in the training precision (bf16/fp16 tensor cores, TF32 for fp32 when TF32 matmuls are
 on); else (a CPU, another GPU) measured here with a large matmul in that precision. A measured matmul runs below
 the datasheet peak, so on a GPU it reads MFU 15-30% high: the output says which peak was used (`peak_source`).
+
+Every result has the training state one rank holds (`state_bytes_per_rank`: parameters, gradients, optimizer
+state; under FSDP its shards) and the largest rank's peak memory (CUDA max allocated on a GPU, peak RSS on a CPU).
+With `--snapshots`, the time training is blocked per save and the time until the save is complete (sharded: every
+rank writing its shards, rank 0 committing last).
 
 `--baseline nanogpt` also times nanoGPT's training loop (as its train.py runs on a CPU) around the same model,
 alternating one step of each, and reports the median of the per-pair time ratios. On a machine whose speed drifts
@@ -34,6 +40,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import resource
 import statistics
 import sys
 import tempfile
@@ -42,6 +49,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import config
 import distributed
@@ -255,8 +263,10 @@ def time_training(args, cfg, corpus: CharCorpus, ctx: DistContext, trainer: Trai
                              "run bench.py under torchrun")
         solo = None
         if ctx.is_main:
-            alone = DistContext.single_process(ctx.device)  # no DDP, no collectives
-            solo = main.build_trainer(cfg, corpus, alone, run_dir=None, with_snapshots=False)
+            alone = DistContext.single_process(ctx.device)  # no DDP or FSDP, no collectives
+            unwrapped = dataclasses.replace(cfg.trainer_config, strategy="ddp")
+            solo = main.build_trainer(dataclasses.replace(cfg, trainer_config=unwrapped), corpus, alone, run_dir=None,
+                                      with_snapshots=False)
         time_scaling(trainer, solo, args.warmup)
         times, solo_times = time_scaling(trainer, solo, args.steps)
         return times, {"scaling": summarize_scaling(solo, times, solo_times, ctx.world_size)} if solo else {}
@@ -287,12 +297,47 @@ def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
         trainer = main.build_trainer(cfg, corpus, ctx, run_dir=None, with_snapshots=bool(args.snapshots))
         times, comparison = time_training(args, cfg, corpus, ctx, trainer)
         snapshot = time_snapshots(trainer, args.snapshots) if args.snapshots else None
-        result = {**summarize(args, cfg, trainer, times, snapshot), **comparison} if ctx.is_main else None
+        memory = memory_per_rank(trainer)  # collective: every rank's, the largest reported
+        result = {**summarize(args, cfg, trainer, times, snapshot), **memory, **comparison} if ctx.is_main else None
     except BaseException:
         distributed.abandon_distributed()  # no collective teardown: a peer may never reach it
         raise
     distributed.leave_distributed()  # together, after the last collective
     return result
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def state_bytes(trainer: Trainer) -> dict:
+    """The training state this rank holds: parameters, gradients (one per parameter element, as during a step;
+    its shard under FSDP) and optimizer state (AdamW's two moments and step counts)."""
+    params = [p for p in trainer.raw_model.parameters() if p.requires_grad]
+    parameters = sum(_local_bytes(p) for p in params)
+    gradients = sum(_local_bytes(p) // p.element_size() * 4 for p in params)  # fp32 gradients (reduce dtype)
+    optimizer = sum(_local_bytes(value) for state in trainer.optimizer.state.values()
+                    for value in state.values() if isinstance(value, torch.Tensor))
+    return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer,
+            "total": parameters + gradients + optimizer}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA's max allocated on a GPU; on a CPU the process's peak resident set (ru_maxrss: everything the
+    process ever held, imports and data included)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_per_rank(trainer: Trainer) -> dict:
+    """Collective. The largest rank's state bytes and peak memory."""
+    mine = {"state_bytes_per_rank": state_bytes(trainer), "peak_memory_bytes": peak_memory_bytes(trainer.ctx.device)}
+    everyone = trainer.ctx.gather_objects(mine)
+    return {"state_bytes_per_rank": max((r["state_bytes_per_rank"] for r in everyone), key=lambda b: b["total"]),
+            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in everyone),
+            "peak_memory_kind": "cuda max allocated" if trainer.ctx.device.type == "cuda" else "peak RSS"}
 
 
 def summarize(args, cfg, trainer: Trainer, times: list[float], snapshot: Optional[dict]) -> dict:
@@ -306,6 +351,8 @@ def summarize(args, cfg, trainer: Trainer, times: list[float], snapshot: Optiona
         "world_size": ctx.world_size,
         "threads_per_process": torch.get_num_threads(),
         "precision": str(trainer.amp_dtype).removeprefix("torch."),
+        "strategy": cfg.trainer_config.strategy,
+        "activation_checkpointing": cfg.trainer_config.activation_checkpointing,
         "compile": cfg.trainer_config.compile,
         "attention": cfg.gpt_config.attention,
         "model": {k: getattr(trainer.raw_model.config, k) for k in ("n_layer", "n_head", "n_embd", "block_size")},

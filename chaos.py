@@ -8,9 +8,10 @@ Each trial SIGKILLs it --kills times, each time at a moment drawn from the seed,
 
 - moments: `startup` (workers importing, joining the process group, loading the snapshot), `step` (somewhere in
   a training step), `eval` (after the train row of an evaluation step is logged and before its val row), `save`
-  (while rank 0's snapshot file is still a `.tmp-` file). The harness watches metrics.jsonl, train.log and the
-  snapshot folder, and records the moment each kill actually hit (checked after the kill: an interrupted save
-  leaves its temporary file behind, an interrupted evaluation never logs its val row);
+  (while rank 0's snapshot file, or under --strategy fsdp the folder of shards, still has its `.tmp-` name). The
+  harness watches metrics.jsonl, train.log and the snapshot folder, and records the moment each kill actually hit
+  (checked after the kill: an interrupted save leaves its temporary file behind, an interrupted evaluation never
+  logs its val row);
 - restarts, alternating between trials: `torchrun` (one worker SIGKILLed, the job's own `--max-restarts`
   restarts all workers) and `rerun` (the agent and all workers SIGKILLed at once, like a lost node; the same
   command is run again).
@@ -46,7 +47,7 @@ from typing import Callable, Optional
 
 from char_dataset import PROJECT_DIR
 from reporting import read_metrics
-from snapshot import NAME_PATTERN
+from snapshot import snapshot_step
 
 MOMENTS = ("startup", "step", "eval", "save")
 RESTARTS = ("torchrun", "rerun")
@@ -90,7 +91,7 @@ def _snapshot_steps(snaps: Path) -> list[int]:
         names = os.listdir(snaps)
     except FileNotFoundError:
         return []
-    return sorted(int(m.group(1)) for n in names if (m := NAME_PATTERN.match(n)))
+    return sorted(step for n in names if (step := snapshot_step(n)) is not None)
 
 
 def _children(pid: int) -> list[int]:
@@ -165,8 +166,10 @@ class Trial:
 class Job:
     """One chaos trial's training job: the same torchrun command, started (again) as needed."""
 
-    def __init__(self, folder: Path, nproc: int, steps: int, max_restarts: int, code: Path) -> None:
+    def __init__(self, folder: Path, nproc: int, steps: int, max_restarts: int, code: Path,
+                 overrides: tuple[str, ...] = ()) -> None:
         self.folder, self.nproc, self.steps, self.max_restarts, self.code = folder, nproc, steps, max_restarts, code
+        self.overrides = overrides
         self.snaps, self.run_dir = folder / "snaps", folder / "run"
         self.metrics, self.train_log = self.run_dir / "metrics.jsonl", self.run_dir / "train.log"
         self.process: Optional[subprocess.Popen] = None
@@ -176,7 +179,7 @@ class Job:
     def command(self) -> list[str]:
         return [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}",
-            f"--max-restarts={self.max_restarts}", str(self.code / "main.py"), *JOB,
+            f"--max-restarts={self.max_restarts}", str(self.code / "main.py"), *JOB, *self.overrides,
             f"data_config.path={PROJECT_DIR / 'data' / 'input.txt'}",
             f"trainer_config.max_steps={self.steps}", f"trainer_config.snapshot_path={self.snaps}",
             f"hydra.run.dir={self.run_dir}",
@@ -337,11 +340,12 @@ def _settle(pending: list[Kill], base: Optional[int]) -> None:
 
 
 def run_trial(index: int, folder: Path, restart: str, targets: list[str], rng: random.Random, nproc: int,
-              steps: int, startup_s: float, timeout: float, code: Path) -> Trial:
+              steps: int, startup_s: float, timeout: float, code: Path, overrides: tuple[str, ...] = ()) -> Trial:
     trial = Trial(index=index, restart=restart)
     started = time.monotonic()
     shutil.rmtree(folder, ignore_errors=True)
-    job = Job(folder, nproc, steps, max_restarts=len(targets) if restart == "torchrun" else 0, code=code)
+    job = Job(folder, nproc, steps, max_restarts=len(targets) if restart == "torchrun" else 0, code=code,
+              overrides=overrides)
     job.start()
     try:
         attempt = _new_attempt(job, [], timeout)
@@ -400,9 +404,10 @@ def compare(run_dir: Path, reference: dict) -> tuple[bool, str]:
     return True, ""
 
 
-def run_reference(folder: Path, nproc: int, steps: int, timeout: float, code: Path) -> dict:
+def run_reference(folder: Path, nproc: int, steps: int, timeout: float, code: Path,
+                  overrides: tuple[str, ...] = ()) -> dict:
     shutil.rmtree(folder, ignore_errors=True)
-    job = Job(folder, nproc, steps, max_restarts=0, code=code)
+    job = Job(folder, nproc, steps, max_restarts=0, code=code, overrides=overrides)
     started = time.monotonic()
     job.start()
     attempt = _new_attempt(job, [], timeout)
@@ -434,14 +439,15 @@ def freeze_code(folder: Path) -> Path:
 
 
 def run_chaos(trials: int, seed: int = 0, nproc: int = 2, workdir: Optional[Path] = None, steps: int = 45,
-              kills: int = 2, timeout: float = 300, log: Callable[[str], None] = print) -> dict:
+              kills: int = 2, timeout: float = 300, log: Callable[[str], None] = print, strategy: str = "ddp") -> dict:
     """The reference run and `trials` chaos trials; returns the results (see main() for the table)."""
+    overrides = (f"trainer_config.strategy={strategy}",)
     workdir = Path(workdir or tempfile.mkdtemp(prefix="chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     started = time.monotonic()
     code = freeze_code(workdir / "code")
-    reference = run_reference(workdir / "reference", nproc, steps, timeout, code)
+    reference = run_reference(workdir / "reference", nproc, steps, timeout, code, overrides)
     log(f"reference: {steps} steps in {reference['seconds']} s (start-up {reference['startup_s']} s), "
         f"sha256 {reference['sha256'][:16]}")
     # Moments in shuffled rounds of all four: any 4 consecutive kills cover every moment.
@@ -453,7 +459,7 @@ def run_chaos(trials: int, seed: int = 0, nproc: int = 2, workdir: Optional[Path
         restart = RESTARTS[i % len(RESTARTS)]
         folder, trial_rng = workdir / f"trial-{i + 1:03d}", random.Random(rng.getrandbits(64))
         trial = run_trial(i + 1, folder, restart, targets[i * kills : (i + 1) * kills], trial_rng, nproc, steps,
-                          reference["startup_s"], timeout, code)
+                          reference["startup_s"], timeout, code, overrides)
         if trial.resumed:
             trial.identical, why = compare(folder / "run", reference)
             if not trial.identical:
@@ -470,8 +476,8 @@ def run_chaos(trials: int, seed: int = 0, nproc: int = 2, workdir: Optional[Path
         "seconds": round(time.monotonic() - started, 1),
     }
     return {
-        "config": {"seed": seed, "nproc": nproc, "steps": steps, "kills_per_trial": kills, "save_every_steps":
-                   SAVE_EVERY, "eval_every_steps": EVAL_EVERY, "workdir": str(workdir)},
+        "config": {"seed": seed, "nproc": nproc, "steps": steps, "strategy": strategy, "kills_per_trial": kills,
+                   "save_every_steps": SAVE_EVERY, "eval_every_steps": EVAL_EVERY, "workdir": str(workdir)},
         "reference": {k: reference[k] for k in ("sha256", "startup_s", "seconds")},
         "summary": summary,
         "trials": [{**asdict(t), "lost": t.lost} for t in results],
@@ -510,10 +516,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the workdir (a temp workdir is deleted)")
     parser.add_argument("--json", type=Path, help="also write the full results to this JSON file")
     parser.add_argument("--timeout", type=float, default=300, help="seconds one attempt may take (default 300)")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
+                        help="trainer_config.strategy of the job (default ddp; fsdp saves folders of shards)")
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))
     try:
-        result = run_chaos(args.trials, args.seed, args.nproc, workdir, args.steps, args.kills, args.timeout)
+        result = run_chaos(args.trials, args.seed, args.nproc, workdir, args.steps, args.kills, args.timeout,
+                           strategy=args.strategy)
     finally:
         if args.workdir is None and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -7,9 +7,12 @@
 
 The trainer hands it stateful objects (anything with `state_dict()` and `load_state_dict()`) under the keys they
 take in a snapshot; it knows nothing of their contents. Every rank calls `state_dict()` (a state may need a
-collective to assemble); global rank 0 copies the result to CPU memory and a background writer serialises,
-checksums, writes atomically and prunes. What a snapshot is (bytes, storage, validation, the newest valid one)
-stays in snapshot.py; a sharded format can go behind this interface without touching the loop.
+collective to assemble). Unsharded (ddp): global rank 0 copies the result to CPU memory and a background writer
+serialises, checksums, writes one file atomically and prunes. Sharded (fsdp): every rank copies its shards and
+its background writer saves them with the others' (sharded.py). Either kind of snapshot restores into either kind
+of run: a sharded one is loaded into what the stateful objects' `named_state_dict()` holds (their shards or full
+tensors), through DCP. What a snapshot is (bytes, storage, validation, the newest valid one) stays in snapshot.py
+and sharded.py.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
+import sharded as sharded_lib
 import snapshot as snapshot_lib
 from distributed import DistContext
 from snapshot import SnapshotStore
@@ -54,12 +58,12 @@ class Checkpointer:
     """Snapshots of `stateful` objects in `store` (None: no snapshots at all)."""
 
     def __init__(self, store: Optional[SnapshotStore], metadata: dict, cadence: Cadence, ctx: DistContext,
-                 stateful: dict[str, Stateful]) -> None:
+                 stateful: dict[str, Stateful], sharded: bool = False, exit_wait_s: float = 15.0) -> None:
         self.store, self.metadata, self.cadence, self.ctx = store, metadata, cadence, ctx
-        self.stateful = stateful
+        self.stateful, self.sharded, self.exit_wait_s = stateful, sharded, exit_wait_s
         self.blocked_s: list[float] = []  # training-thread time per snapshot, for reports and bench.py
         self._last_saved_step = -1
-        self._writer: Optional[snapshot_lib.BackgroundWriter] = None
+        self._writer: Optional[snapshot_lib.BackgroundWriter | sharded_lib.ShardedWriter] = None
 
     @property
     def location(self) -> str:
@@ -83,16 +87,23 @@ class Checkpointer:
             return 0.0
         states = {key: obj.state_dict() for key, obj in self.stateful.items()}  # on every rank: may be collective
         self._last_saved_step = step
-        if not self.ctx.is_main:
+        if not self.sharded and not self.ctx.is_main:
             return 0.0
         start = time.perf_counter()
         state = snapshot_lib.cpu_copy(states)  # the only part that blocks training
-        if self._writer is None:
-            self._writer = snapshot_lib.BackgroundWriter(self.store, self.cadence.keep_last)
-        self._writer.submit(snapshot_lib.snapshot_name(step), state, self.metadata, self.ctx.world_size, reason)
+        self._writer = self._writer or self._new_writer()
+        self._writer.submit(snapshot_lib.snapshot_name(step, self.sharded), state, self.metadata, self.ctx.world_size,
+                            reason)
         blocked = time.perf_counter() - start
         self.blocked_s.append(blocked)
         return blocked
+
+    def _new_writer(self) -> snapshot_lib.BackgroundWriter | sharded_lib.ShardedWriter:
+        """Collective when sharded (every rank saves at the same step): the snapshot threads' own group."""
+        if not self.sharded:
+            return snapshot_lib.BackgroundWriter(self.store, self.cadence.keep_last)
+        return sharded_lib.ShardedWriter(self.store, self.cadence.keep_last, self.ctx.rank, sharded_lib.new_group(),
+                                         snapshot_lib.SAVE_ATTEMPTS, snapshot_lib.SAVE_FIRST_BACKOFF_S)
 
     def wait(self, raise_error: bool = True) -> None:
         """Block until the snapshot being written is complete (raises if writing it failed, if asked to)."""
@@ -100,8 +111,12 @@ class Checkpointer:
             self._writer.wait(raise_error=raise_error)
 
     def finish_quietly(self) -> None:
-        """Wait for a snapshot being written, on a path that is ending anyway (its failure is not raised)."""
-        self.wait(raise_error=False)
+        """Wait for a snapshot being written, on a path that is ending anyway (its failure is not raised). A sharded
+        save needs every rank, and a peer may be gone: it gets exit_wait_s."""
+        if isinstance(self._writer, sharded_lib.ShardedWriter):
+            self._writer.wait(raise_error=False, timeout=self.exit_wait_s)
+        else:
+            self.wait(raise_error=False)
 
     # --------------------------------------------------------------------------------------------------- restoring
     def restore(self) -> Optional[Restored]:
@@ -119,7 +134,23 @@ class Checkpointer:
             log.info("no snapshot in %s: starting from scratch", self.store.location)
             return None
         entry, snap = found
-        for key, obj in self.stateful.items():
-            obj.load_state_dict(snap[key])
+        if "shards" in snap:
+            self._load_shards(snap)
+        else:
+            for key, obj in self.stateful.items():
+                obj.load_state_dict(snap[key])
         self._last_saved_step = entry.step
         return Restored(url=self.store.url(entry.name), world_size=snap["world_size"])
+
+    def _load_shards(self, snap: dict) -> None:
+        """Collective. A sharded snapshot into the stateful objects: DCP fills what their `named_state_dict()` holds
+        (this rank's shards, or full tensors), at this run's world size, whatever the snapshot's was."""
+        templates = {key: obj.named_state_dict() for key, obj in self.stateful.items()
+                     if hasattr(obj, "named_state_dict")}
+        tensors, _ = sharded_lib.split_tensors(templates)
+        snap["shards"].load_into(tensors, self.ctx.group)
+        for key, obj in self.stateful.items():
+            if key in templates:
+                obj.load_state_dict(sharded_lib.merge(tensors.get(key, {}), snap.get(key, {})))
+            else:
+                obj.load_state_dict(snap[key])

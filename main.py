@@ -49,6 +49,7 @@ from distributed import (
 from errors import UsageError, describe
 from model import GPT
 from optim import OptimizerConfig, build_optimizer, learning_rate
+from parallel import full_model_copy
 from plot import write_loss_plot
 from reporting import setup_logging
 from sample import generate_text
@@ -67,13 +68,14 @@ def build_trainer(
     torch.manual_seed(cfg.trainer_config.seed)  # identical initial weights on every rank
     model = GPT(gpt_cfg).to(ctx.device)
     log.info("model: %s parameters", f"{model.num_params():,}")
-    optimizer = build_optimizer(model, cfg.optimizer_config)
+    optimizer = functools.partial(build_optimizer, cfg=cfg.optimizer_config)  # built once the model is wrapped
     schedule = functools.partial(_lr_at, opt_cfg=cfg.optimizer_config)
     tc = cfg.trainer_config
     store = SnapshotStore(resolve_path(tc.snapshot_path), tc.snapshot_storage_options) if with_snapshots else None
     metadata = {
         "model_config": dataclasses.asdict(gpt_cfg),
         "vocab": corpus.vocab.chars,
+        "strategy": tc.strategy,
         "train_config": redacted(dataclasses.asdict(cfg)),
     }
     return Trainer(
@@ -95,20 +97,22 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
     trainer = build_trainer(cfg, corpus, ctx, run_dir)
     on_abrupt_exit(trainer.checkpoints.finish_quietly)  # a snapshot being written is finished first
     trainer.fit()
-    if ctx.is_main and trainer.trained_steps and not trainer.stopped_early:
-        report_results(trainer, corpus, run_dir)
+    if trainer.trained_steps and not trainer.stopped_early:
+        model = full_model_copy(trainer.raw_model, lambda: GPT(trainer.raw_model.config), trainer.ctx)  # FSDP: gathered
+        if trainer.ctx.is_main:
+            report_results(trainer, model, corpus, run_dir)
 
 
-def report_results(trainer: Trainer, corpus: CharCorpus, run_dir: Path) -> None:
+def report_results(trainer: Trainer, model: GPT, corpus: CharCorpus, run_dir: Path) -> None:
     """Rank 0, after training: the loss plot in the run directory and a short generated sample in the log."""
     try:
         log.info("loss plot: %s", write_loss_plot(run_dir))
     except ImportError:
         log.info("loss plot skipped: matplotlib is not installed")
     generator = torch.Generator(device=trainer.ctx.device).manual_seed(trainer.cfg.seed)
-    trainer.raw_model.eval()
-    text = generate_text(trainer.raw_model, corpus.vocab, "\n", 200, 0.8, 40, generator)
-    trainer.raw_model.train()
+    model.eval()
+    text = generate_text(model, corpus.vocab, "\n", 200, 0.8, 40, generator)
+    model.train()
     log.info("sample (temperature 0.8, top_k 40):\n%s", text.strip("\n"))
 
 

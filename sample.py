@@ -24,7 +24,7 @@ from char_dataset import CharVocab, resolve_path
 from config import precheck_config_overrides
 from errors import UsageError
 from model import GPT, GPTConfig
-from snapshot import NAME_PATTERN, CorruptSnapshot, SnapshotStore, read_file
+from snapshot import CorruptSnapshot, SnapshotStore, model_tensors, read_snapshot, snapshot_step
 
 
 @dataclass
@@ -65,11 +65,11 @@ ConfigStore.instance().store(name="sample_schema", node=SampleConfig)
 
 
 def load_snapshot(location: str, storage_options: Optional[dict] = None) -> dict:
-    """A snapshot file, or the newest valid snapshot in a folder."""
+    """A snapshot (a file, or a folder of shards), or the newest valid snapshot in a folder of snapshots."""
     url = resolve_path(location)  # a malformed URL is a UsageError here, never a local path
-    if NAME_PATTERN.match(url.rstrip("/").rpartition("/")[2]):
+    if snapshot_step(url.rstrip("/").rpartition("/")[2]) is not None:
         try:
-            return read_file(url, storage_options)
+            return read_snapshot(url, storage_options)
         except CorruptSnapshot as e:
             raise UsageError(f"snapshot {e}") from None
     try:
@@ -86,7 +86,7 @@ def load_snapshot(location: str, storage_options: Optional[dict] = None) -> dict
 def model_from_snapshot(snapshot: dict, device: torch.device) -> tuple[GPT, CharVocab]:
     try:
         model = GPT(GPTConfig(**snapshot["model_config"]))
-        model.load_state_dict(snapshot["model"])
+        model.load_state_dict(model_tensors(snapshot))  # a sharded snapshot's tensors are read whole, here
     except (TypeError, ValueError, RuntimeError) as e:  # weights that do not fit the snapshot's own model config
         raise UsageError(f"the snapshot's weights do not match its model config: {_brief(e)}") from None
     return model.to(device).eval(), CharVocab(snapshot["vocab"])

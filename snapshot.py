@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import errno
 import hashlib
 import io
 import json
@@ -29,6 +28,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import sys
 import threading
 import time
@@ -40,9 +40,11 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.tensor import DTensor
 
+import sharded as sharded_lib
 from char_dataset import check_location, resolve_path
-from errors import UsageError, describe, first_line
+from errors import CorruptSnapshot, UsageError, describe, first_line, is_permanent  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,6 +52,7 @@ T = TypeVar("T")
 FORMAT_VERSION = 1
 ZIP_MAGIC = b"PK\x03\x04"  # what every torch.save file starts with
 NAME_PATTERN = re.compile(r"^snapshot-(\d{9})\.pt$")
+SHARDED_PATTERN = re.compile(r"^snapshot-(\d{9})\.dcp$")  # a folder of shards (strategy=fsdp): sharded.py
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "bias", "vocab_size", "block_size")
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "progress", "model_config", "vocab", "integrity_sha256")
 REQUIRED_TYPES = {"format_version": int, "model": dict, "optimizer": dict, "progress": dict, "model_config": dict,
@@ -60,9 +63,6 @@ REQUIRED_TYPES = {"format_version": int, "model": dict, "optimizer": dict, "prog
 # save tries again anyway). Waits between attempts double: 1, 2, 4 s, so a save gives up after ~7 s plus its attempts.
 SAVE_ATTEMPTS = 4
 SAVE_FIRST_BACKOFF_S = 1.0
-# Errors another attempt cannot fix: fail the save at once instead of retrying into the same wall.
-PERMANENT_ERRNOS = frozenset({errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG,
-                              errno.ENOTDIR, errno.EISDIR})
 # botocore's default ("legacy", 5 attempts, backoff up to 8 s) spends ~10 s on every request to an endpoint that
 # refuses connections, and s3fs probes a bucket with two requests: a store that is down at start took 20 s to
 # report. Our own retries cover whole saves, so each request gets fewer attempts (unless the user chose otherwise);
@@ -74,12 +74,14 @@ S3_DEFAULT_RETRIES = {"total_max_attempts": 3, "mode": "standard"}
 S3_PART_BYTES = 50 * 2**20
 
 
-class CorruptSnapshot(Exception):
-    """A snapshot that cannot be read back as written (truncated, damaged, not a snapshot at all)."""
+def snapshot_name(step: int, sharded: bool = False) -> str:
+    return f"snapshot-{step:09d}{sharded_lib.SUFFIX if sharded else '.pt'}"
 
 
-def snapshot_name(step: int) -> str:
-    return f"snapshot-{step:09d}.pt"
+def snapshot_step(name: str) -> Optional[int]:
+    """The step of a snapshot's name (a file or a folder of shards); None for other names."""
+    match = NAME_PATTERN.match(name) or SHARDED_PATTERN.match(name)
+    return int(match.group(1)) if match else None
 
 
 # --------------------------------------------------------------------------------------------------- digests
@@ -128,6 +130,11 @@ def build(state: dict, metadata: dict, world_size: int) -> dict:
         **metadata,
         **state,
     }
+    return seal(snapshot)
+
+
+def seal(snapshot: dict) -> dict:
+    """The digests a single-file snapshot carries: of its weights (`weights_sha256`) and of every tensor."""
     snapshot["weights_sha256"] = weights_sha256(snapshot["model"])
     snapshot["integrity_sha256"] = integrity_sha256(snapshot)
     return snapshot
@@ -207,6 +214,10 @@ class Entry:
     name: str
     step: int
 
+    @property
+    def sharded(self) -> bool:
+        return self.name.endswith(sharded_lib.SUFFIX)
+
 
 class SnapshotStore:
     """A folder of snapshots at a local path or fsspec URL."""
@@ -239,8 +250,13 @@ class SnapshotStore:
             if not missing_ok:
                 raise UsageError(f"no such snapshot folder: {self.location}") from None
             return []
-        found = [Entry(name, int(m.group(1))) for name in names if (m := NAME_PATTERN.match(name))]
-        return sorted(found, key=lambda entry: entry.step, reverse=True)
+        found = [Entry(name, step) for name in names if (step := snapshot_step(name)) is not None]
+        if not self.is_local:  # on an object store a folder of shards is complete once its commit file is there
+            found = [entry for entry in found if not entry.sharded or self._committed(entry.name)]
+        return sorted(found, key=lambda entry: (entry.step, entry.sharded), reverse=True)
+
+    def _committed(self, name: str) -> bool:
+        return self.fs.exists(self._path(f"{name}/{sharded_lib.COMMIT_FILE}"))
 
     def check_writable(self) -> None:
         """Fail in seconds, before training, if snapshots cannot be written here."""
@@ -278,7 +294,7 @@ class SnapshotStore:
     def write(self, name: str, data: bytes) -> None:
         """Make `name` appear complete or not at all."""
         if self.is_local:
-            self._write_local_atomically(self._path(name), data)
+            write_local_atomically(self._path(name), data)
         elif not self._speaks_s3:
             self.fs.pipe_file(self._path(name), data)  # an object store commits an object when its upload ends
         else:
@@ -309,7 +325,7 @@ class SnapshotStore:
         while True:
             page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **page_marker)
             for upload in page.get("Uploads") or []:
-                if NAME_PATTERN.match(upload["Key"][len(prefix):]):
+                if snapshot_step(upload["Key"][len(prefix):].split("/", 1)[0]) is not None:
                     self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"],
                                     UploadId=upload["UploadId"])
                     aborted.append(upload["Key"])
@@ -329,44 +345,78 @@ class SnapshotStore:
                         self.location, describe(e))
             return []
 
-    @staticmethod
-    def _write_local_atomically(path: str, data: bytes) -> None:
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        temporary = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        try:
-            with open(temporary, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temporary, path)  # atomic on POSIX: readers see the old or the new file, never a part
-        except BaseException:
-            if os.path.exists(temporary):
-                os.remove(temporary)
-            raise
-        directory = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(directory)  # make the rename itself durable
-        finally:
-            os.close(directory)
-
     def read(self, name: str) -> bytes:
         return self.fs.cat_file(self._path(name))
 
+    def read_entry(self, entry: Entry) -> dict:
+        """A snapshot, verified: a file's content, or a folder of shards' snapshot.json with its tensors as
+        `["shards"]` (sharded.Shards, loaded on demand). Damage is a CorruptSnapshot; one that is gone a
+        FileNotFoundError; a store that fails is tried again (`read_with_retries`)."""
+        source = self.url(entry.name)
+        if entry.sharded:
+            return read_with_retries(f"cannot read snapshot {source}", lambda: sharded_lib.read(
+                self.fs, self.is_local, self._path(entry.name), source))
+        data = read_with_retries(f"cannot read snapshot {source}", lambda: self.read(entry.name))
+        return from_bytes(data, source)
+
     def prune(self, keep_last: int) -> list[str]:
-        """Delete all but the newest `keep_last` snapshots (and temporary files of interrupted local saves; on S3
-        the incomplete multipart uploads of failed or killed saves)."""
+        """Delete all but the newest `keep_last` snapshots (and what interrupted saves left: local temporary files
+        and folders; folders of shards without their commit file; on S3 the incomplete multipart uploads)."""
         removed = []
         for entry in self.entries()[keep_last:]:
-            self.fs.rm_file(self._path(entry.name))
+            self._remove(entry.name)
             removed.append(entry.name)
         if self.is_local and os.path.isdir(self.root):
             for name in os.listdir(self.root):
                 if name.startswith(".snapshot-") and ".tmp-" in name and f".tmp-{os.getpid()}-" not in name:
-                    os.remove(os.path.join(self.root, name))
+                    self._remove(name)
+        elif not self.is_local:
+            for name in self._incomplete_sharded():
+                self._remove(name)
+                removed.append(f"the incomplete {name}")
         for key in self._abort_incomplete_uploads_quietly(logging.WARNING):
             removed.append(f"the incomplete upload of {key.rsplit('/', 1)[-1]}")
         return removed
+
+    def _remove(self, name: str) -> None:
+        path = self._path(name)
+        if self.is_local and os.path.isdir(path):
+            shutil.rmtree(path)
+        elif self.is_local:
+            os.remove(path)
+        elif name.endswith(sharded_lib.SUFFIX):
+            self.fs.rm(path, recursive=True)
+        else:
+            self.fs.rm_file(path)
+
+    def _incomplete_sharded(self) -> list[str]:
+        """Folders of shards on an object store whose save never committed (killed or failed)."""
+        try:
+            names = [path.rstrip("/").rsplit("/", 1)[-1] for path in self.fs.ls(self.root, detail=False, refresh=True)]
+        except FileNotFoundError:
+            return []
+        return [name for name in names if SHARDED_PATTERN.match(name) and not self._committed(name)]
+
+    # ----------------------------------------------------------------------------------------- sharded saves
+    def begin_sharded(self, name: str) -> str:
+        """Where the ranks write the shards of snapshot `name`: locally a new hidden folder beside it (renamed into
+        place by `commit_sharded`); on an object store the snapshot's own folder, emptied of what an interrupted
+        save of the same step left."""
+        if self.is_local:
+            path = self._path(sharded_lib.temporary_name(name))
+            os.makedirs(path)
+            return path
+        path = self._path(name)
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+        return path
+
+    def commit_sharded(self, name: str, written: str, doc: dict) -> None:
+        """Make a sharded snapshot whose shards are all `written` visible: its snapshot.json goes last."""
+        if self.is_local:
+            sharded_lib.commit_local(self.root, written, self._path(name), doc)
+        else:
+            self.fs.pipe_file(f"{written}/{sharded_lib.COMMIT_FILE}", json.dumps(doc).encode())
 
     def load_newest_valid(
         self, model_config: Optional[dict] = None, vocab: Optional[str] = None
@@ -383,12 +433,10 @@ class SnapshotStore:
         for entry in read_with_retries(f"cannot list the snapshots in {self.location}", self.entries):
             source = self.url(entry.name)
             try:
-                data = read_with_retries(f"cannot read snapshot {source}", lambda: self.read(entry.name))
+                snapshot = self.read_entry(entry)
             except FileNotFoundError:  # removed since the listing (pruned by a writer): the next older one
                 log.warning("skipping snapshot %s: it is gone", source)
                 continue
-            try:
-                snapshot = from_bytes(data, source)
             except CorruptSnapshot as e:
                 log.warning("skipping snapshot %s", e)
                 damaged.append(str(e))
@@ -402,6 +450,28 @@ class SnapshotStore:
                 f"move them away to start afresh, or use another trainer_config.snapshot_path"
             )
         return None
+
+
+def write_local_atomically(path: str, data: bytes) -> None:
+    """Write a file so that readers see the old one or the new one, never a part (durable once it returns)."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)  # atomic on POSIX: readers see the old or the new file, never a part
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    directory = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # make the rename itself durable
+    finally:
+        os.close(directory)
 
 
 def with_retries(action: Callable[[], T], what: str, interrupted: Callable[[float], Optional[str]],
@@ -434,7 +504,7 @@ def read_with_retries(what: str, read: Callable[[], T]) -> T:
     ...)`. FileNotFoundError is left to the caller (nothing there is an answer, not a failure)."""
     start = time.perf_counter()
     result, attempts, failure = with_retries(read, what, interrupted=_sleep,
-                                             passthrough=(FileNotFoundError, UsageError))
+                                             passthrough=(FileNotFoundError, UsageError, CorruptSnapshot))
     if failure is not None:
         raise UsageError(f"{what} ({attempts} attempt(s) in {time.perf_counter() - start:.1f} s, "
                          f"last error {failure})")
@@ -470,13 +540,6 @@ def _aws_retries_configured(profile: Optional[str]) -> bool:
     except Exception:  # no botocore, or a profile that does not exist: s3fs reports that itself
         return False
     return "max_attempts" in scoped or "retry_mode" in scoped
-
-
-def is_permanent(error: BaseException) -> bool:
-    """True for a write error that trying again cannot fix (read-only, too large, no permission, no bucket)."""
-    if isinstance(error, (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError)):
-        return True
-    return isinstance(error, OSError) and error.errno in PERMANENT_ERRNOS
 
 
 class BackgroundWriter:
@@ -561,7 +624,12 @@ class BackgroundWriter:
 
 
 def cpu_copy(obj: Any) -> Any:
-    """A private CPU copy of every tensor in a nest of dicts/lists (other values are kept as they are)."""
+    """A private CPU copy of every tensor in a nest of dicts/lists (other values are kept as they are). A DTensor
+    (a shard) stays a DTensor of the same layout, its local part copied: what DCP saves."""
+    if isinstance(obj, DTensor):
+        local = obj.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                  stride=obj.stride())
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -572,68 +640,142 @@ def cpu_copy(obj: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------------- CLI
+def model_tensors(snapshot: dict) -> dict[str, torch.Tensor]:
+    """The model's full tensors of a verified snapshot of either kind (sharded ones are read now, in this process)."""
+    return snapshot["shards"].full("model.") if "shards" in snapshot else snapshot["model"]
+
+
 def summary(snapshot: dict) -> dict:
-    progress = snapshot["progress"]
+    """The same fields for both kinds; weights_sha256 is always over the full tensors."""
+    progress, model = snapshot["progress"], model_tensors(snapshot)
     return {
         "format_version": snapshot["format_version"],
+        "format": "sharded" if "shards" in snapshot else "file",
+        "strategy": snapshot.get("strategy", "ddp"),
         "epoch": progress["epoch"],
         "step": progress["step"],
         "epoch_samples": progress["epoch_samples"],
         "world_size": snapshot["world_size"],
-        "n_params": sum(t.numel() for k, t in snapshot["model"].items() if k != "lm_head.weight"),
+        "n_params": sum(t.numel() for k, t in model.items() if k != "lm_head.weight"),
         "vocab_size": len(snapshot["vocab"]),
         "val_loss": progress.get("val_loss"),
         "created_at": snapshot["created_at"],
-        "weights_sha256": weights_sha256(snapshot["model"]),
+        "weights_sha256": weights_sha256(model),
         "model_config": snapshot["model_config"],
     }
 
 
-def read_file(path_or_url: str, storage_options: Optional[dict] = None) -> dict:
-    """One snapshot file (relative paths = to the project), verified; a missing file is a UsageError."""
+def read_snapshot(path_or_url: str, storage_options: Optional[dict] = None) -> dict:
+    """One snapshot, a file or a folder of shards (relative paths = to the project), verified; a missing one is a
+    UsageError."""
     url = resolve_path(path_or_url).rstrip("/")
     last = url.rsplit("::", 1)[-1]  # of a chained URL, the part that names the file
     if "://" in last and "/" not in last.split("://", 1)[1]:
-        raise UsageError(f"{url} names a bucket or host, not a snapshot file (.../snapshot-NNNNNNNNN.pt)")
+        raise UsageError(f"{url} names a bucket or host, not a snapshot (.../snapshot-NNNNNNNNN.pt or .dcp)")
     location, _, name = url.rpartition("/")
     try:
-        data = SnapshotStore(location or "/", storage_options).read(name)
+        store = SnapshotStore(location or "/", storage_options)
+        sharded = name.endswith(sharded_lib.SUFFIX) or store.fs.isdir(store._path(name))
+        if sharded:
+            return sharded_lib.read(store.fs, store.is_local, store._path(name), url)
+        data = store.read(name)
     except FileNotFoundError:
         raise UsageError(f"no such snapshot: {url}") from None
-    except UsageError:
+    except (UsageError, CorruptSnapshot):
         raise
-    except Exception as e:  # a folder, no permission, no credentials, an unreachable store, ...
+    except Exception as e:  # no permission, no credentials, an unreachable store, ...
         raise UsageError(f"cannot read snapshot {url}: {describe(e)}") from None
     return from_bytes(data, url)
 
 
+def single_file(snapshot: dict) -> dict:
+    """A verified snapshot of either kind as a single-file snapshot (full tensors), its digests renewed."""
+    if "shards" not in snapshot:
+        return snapshot
+    return seal({**sharded_lib.full_state(snapshot), "format_version": FORMAT_VERSION})
+
+
+def consolidate(source: str, target: str) -> str:
+    """Write snapshot `source` (either kind) as one file at `target`: a file name, or a folder (then it keeps the
+    snapshot's name, .pt). Returns where it went."""
+    snapshot = single_file(read_snapshot(source))
+    location, _, name = resolve_path(target).rstrip("/").rpartition("/")
+    if not name.endswith(".pt"):
+        location, name = resolve_path(target).rstrip("/"), snapshot_name(snapshot["progress"]["step"])
+    store = SnapshotStore(location or "/")
+    store.write(name, to_bytes(snapshot))
+    return store.url(name)
+
+
+def export(source: str, target: str) -> str:
+    """The weights of snapshot `source` (either kind) as `model.safetensors` in folder `target`, and beside them
+    `config.json` (model config, vocabulary, the tied weights, where they come from). safetensors holds no code and
+    no shared tensors: the output head, which is the token embedding, is stored once."""
+    from safetensors.torch import save as safetensors_bytes
+
+    snapshot = read_snapshot(source)
+    model = {name: tensor.contiguous() for name, tensor in model_tensors(snapshot).items()}
+    tied = {}
+    if "lm_head.weight" in model and torch.equal(model["lm_head.weight"], model["transformer.wte.weight"]):
+        tied["lm_head.weight"] = "transformer.wte.weight"
+    stored = {name: tensor for name, tensor in model.items() if name not in tied}
+    config = {"format": "mingpt-ddp safetensors export", "format_version": 1, "model_config": snapshot["model_config"],
+              "vocab": snapshot["vocab"], "tied_weights": tied, "step": snapshot["progress"]["step"],
+              "val_loss": snapshot["progress"].get("val_loss"), "weights_sha256": weights_sha256(model),
+              "source": resolve_path(source)}
+    store = SnapshotStore(resolve_path(target))
+    store.write("model.safetensors", safetensors_bytes(stored, metadata={"format": "pt"}))
+    store.write("config.json", json.dumps(config, indent=1).encode())
+    return store.location
+
+
+def list_snapshots(location: str) -> list[dict]:
+    store = SnapshotStore(resolve_path(location))
+    try:
+        if store.fs.isfile(store.root):
+            raise UsageError(f"{store.location} is a file, not a snapshot folder (snapshot.py info reads one)")
+        entries = store.entries(missing_ok=False)
+    except UsageError:
+        raise
+    except Exception as e:  # no permission, no credentials, an unreachable store, ...
+        raise UsageError(f"cannot list {store.location}: {describe(e)}") from None
+    rows = []
+    for entry in entries:
+        path = store._path(entry.name)
+        size = store.fs.du(path, total=True) if entry.sharded else store.fs.size(path)
+        rows.append({"name": entry.name, "step": entry.step, "format": "sharded" if entry.sharded else "file",
+                     "bytes": size, "url": store.url(entry.name)})
+    return rows
+
+
 def cli(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="snapshot.py", description="Inspect mingpt-ddp snapshots.")
+    parser = argparse.ArgumentParser(prog="snapshot.py", description="Inspect and convert mingpt-ddp snapshots.")
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="print one snapshot's summary as JSON")
-    info.add_argument("path", help="snapshot file: local path or fsspec URL")
+    info.add_argument("path", help="snapshot file or folder of shards: local path or fsspec URL")
     listing = commands.add_parser("list", help="list the snapshots in a location, newest first")
     listing.add_argument("location", help="snapshot folder: local path or fsspec URL")
+    merge = commands.add_parser("consolidate", help="write a snapshot (sharded or not) as a single file")
+    merge.add_argument("source", help="snapshot: local path or fsspec URL")
+    merge.add_argument("target", help="file (.pt) or folder to write it to")
+    weights = commands.add_parser("export", help="write a snapshot's weights as safetensors, with a config.json")
+    weights.add_argument("source", help="snapshot: local path or fsspec URL")
+    weights.add_argument("target", help="folder to write model.safetensors and config.json to")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
         if args.command == "info":
-            print(json.dumps(summary(read_file(args.path))))
+            print(json.dumps(summary(read_snapshot(args.path))))
+        elif args.command == "list":
+            rows = list_snapshots(args.location)
+            if not rows:
+                print(f"no snapshot in {resolve_path(args.location).rstrip('/')}", file=sys.stderr)
+            for row in rows:
+                print(json.dumps(row))
+        elif args.command == "consolidate":
+            print(consolidate(args.source, args.target))
         else:
-            store = SnapshotStore(resolve_path(args.location))
-            try:
-                if store.fs.isfile(store.root):
-                    raise UsageError(f"{store.location} is a file, not a snapshot folder (snapshot.py info reads one)")
-                entries = store.entries(missing_ok=False)
-            except UsageError:
-                raise
-            except Exception as e:  # no permission, no credentials, an unreachable store, ...
-                raise UsageError(f"cannot list {store.location}: {describe(e)}") from None
-            if not entries:
-                print(f"no snapshot in {store.location}", file=sys.stderr)
-            for entry in entries:
-                size = store.fs.size(store._path(entry.name))
-                print(json.dumps({"name": entry.name, "step": entry.step, "bytes": size, "url": store.url(entry.name)}))
+            print(export(args.source, args.target))
     except (UsageError, CorruptSnapshot) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

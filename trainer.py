@@ -27,16 +27,25 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 from char_dataset import EPOCH_ORDER, LEGACY_ORDER, ResumableDistributedSampler, check_location
 from checkpoint import Cadence, Checkpointer
 from distributed import DistContext
 from errors import UsageError
+from parallel import (
+    ACTIVATION_CHECKPOINTING,
+    STRATEGIES,
+    ModelState,
+    OptimizerState,
+    clip_grad_norm,
+    full_weights_sha256,
+    group_of_one,
+    prime_ddp_buckets,
+    wrap_model,
+)
 from reporting import PROGRESS_MODES, MetricsLog, Progress, report_end
-from shm_allreduce import FLOAT_BYTES, SharedMemoryAllReduce, shared_memory_allreduce_hook
-from snapshot import SnapshotStore, weights_sha256
+from snapshot import SnapshotStore
 from stopping import StopRequest
 
 log = logging.getLogger(__name__)
@@ -61,6 +70,14 @@ class TrainerConfig:
     """clip the global gradient norm; 0 = off"""
     mixed_precision: str = "auto"
     """auto | bf16 | fp16 | fp32 (auto: bf16 on recent GPUs, fp16 on older ones, fp32 on CPU)"""
+    strategy: str = "ddp"
+    """ddp | fsdp: a full replica per process, or each process holding 1/N of the weights, gradients and optimizer
+
+    fsdp is torch's FSDP2 (fully_shard per transformer block and the root); its snapshots are folders of shards
+    (torch.distributed.checkpoint) that resume at any number of processes. Either strategy resumes the other's
+    snapshots."""
+    activation_checkpointing: str = "none"
+    """none | blocks: recompute each transformer block's activations in the backward pass (less memory, more time)"""
     compile: bool = False
     """torch.compile the model
 
@@ -118,6 +135,10 @@ class TrainerConfig:
             raise UsageError(
                 f"trainer_config.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}"
             )
+        for name, allowed in (("strategy", STRATEGIES), ("activation_checkpointing", ACTIVATION_CHECKPOINTING)):
+            if getattr(self, name) not in allowed:
+                raise UsageError(f"trainer_config.{name} must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
         if self.mixed_precision not in PRECISIONS:
             raise UsageError(
                 f"trainer_config.mixed_precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}"
@@ -163,53 +184,6 @@ class WindowBatches(Dataset):
 
 
 # ----------------------------------------------------------------------------------------------- parts of a trainer
-def wrap_model(model: nn.Module, cfg: TrainerConfig, ctx: DistContext) -> tuple[nn.Module, Optional[DDP], nn.Module]:
-    """Collective under DDP. (model for evaluation, DDP wrapper or None, model for training)."""
-    compiled = compile_model(model, ctx.device) if cfg.compile else model
-    if not ctx.distributed:
-        return compiled, None, compiled
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    shm_reducer = shared_memory_reducer(model, cfg, ctx)
-    bucket_options = {}
-    if shm_reducer is not None:  # one bucket: one barrier per step (with a core per process nothing overlaps)
-        bucket_options["bucket_cap_mb"] = shm_reducer.num_elements * FLOAT_BYTES / 2**20 + 1
-    # forward_sync_buffers=False: no buffer needs syncing (the attention mask buffer is a constant), so skip a
-    # broadcast per forward pass. gradient_as_bucket_view=True: gradients live inside the all-reduce buckets
-    # (no copy, less memory).
-    ddp = DDP(compiled, device_ids=device_ids, forward_sync_buffers=False, gradient_as_bucket_view=True,
-              process_group=ctx.group, **bucket_options)
-    if shm_reducer is not None:
-        ddp.register_comm_hook(shm_reducer, shared_memory_allreduce_hook)
-    return compiled, ddp, ddp
-
-
-def shared_memory_reducer(model: nn.Module, cfg: TrainerConfig, ctx: DistContext) -> Optional[SharedMemoryAllReduce]:
-    """Collective. The /dev/shm gradient all-reduce where it applies: CPU ranks that all share one host
-    (about half the time of gloo's TCP all-reduce on one host: README, Benchmarks)."""
-    if ctx.device.type != "cpu":
-        return None
-    params = [p for p in model.parameters() if p.requires_grad]
-    reducer = None
-    if not cfg.shared_memory_allreduce:
-        why_not = "trainer_config.shared_memory_allreduce=false"
-    elif any(p.dtype != torch.float32 for p in params):
-        why_not = "the parameters are not all fp32"
-    else:
-        reducer = SharedMemoryAllReduce.create(sum(p.numel() for p in params), ctx.group)
-        why_not = "the ranks do not all share one host's /dev/shm, or it has no room"
-    if ctx.is_main:
-        how = "through shared memory (/dev/shm)" if reducer is not None else f"by gloo ({why_not})"
-        log.info("gradients are averaged %s", how)
-    return reducer
-
-
-def compile_model(model: nn.Module, device: torch.device) -> nn.Module:
-    if device.type == "cpu":
-        # C++, not Python, calls the generated kernels: a few % of a small CPU step (README, Benchmarks).
-        return torch.compile(model, options={"cpp_wrapper": True})
-    return torch.compile(model)
-
-
 def make_loader(dataset: Dataset, sampler, batch_size: int, drop_last: bool, cfg: TrainerConfig,
                 device: torch.device) -> DataLoader:
     # The loader gets its own generator: iter(DataLoader) draws a base seed from it, and would otherwise draw
@@ -223,22 +197,6 @@ def make_loader(dataset: Dataset, sampler, batch_size: int, drop_last: bool, cfg
         generator=torch.Generator().manual_seed(cfg.seed),
         persistent_workers=cfg.data_loader_workers > 0,
     )
-
-
-def prime_ddp_buckets(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
-                      autocast: Callable[[], contextlib.AbstractContextManager], device: torch.device) -> None:
-    """One throw-away forward/backward before training, in fresh and resumed runs alike.
-
-    DDP rebuilds its gradient buckets after its first backward pass, in the order gradients became ready. If that
-    first pass were a real step, a resumed run (whose first step is a different step) would reduce in a different
-    order than the uninterrupted one, and with 3+ ranks the sums would differ in the last bits.
-    """
-    x, y = batch
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        with autocast():
-            _, loss = model(x, y)
-        loss.backward()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def seed_dropout(seed: int, step: int, rank: int, device: torch.device) -> None:
@@ -256,11 +214,14 @@ def seed_dropout(seed: int, step: int, rank: int, device: torch.device) -> None:
 
 @torch.no_grad()
 def validation_loss(model: nn.Module, loader: DataLoader, max_batches: Optional[int], ctx: DistContext,
-                    split: Callable, autocast: Callable[[], contextlib.AbstractContextManager]) -> float:
+                    split: Callable, autocast: Callable[[], contextlib.AbstractContextManager],
+                    lockstep: Optional[tuple[int, torch.Tensor]] = None) -> float:
     """Collective. Mean per-character loss over the validation windows of all ranks (at most `max_batches` batches
-    per rank)."""
+    per rank). With `lockstep` = (passes, filler windows), every rank makes exactly `passes` forward passes (under
+    FSDP each one is a collective): one whose own windows ran out runs the filler, uncounted."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # loss sum, characters
+    done = 0
     for i, windows in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
@@ -269,6 +230,12 @@ def validation_loss(model: nn.Module, loader: DataLoader, max_batches: Optional[
             _, loss = model(x, y)
         totals[0] += loss.double() * y.numel()
         totals[1] += y.numel()
+        done += 1
+    if lockstep is not None:
+        passes, filler = lockstep
+        for _ in range(done, passes):
+            with autocast():
+                model(*split(filler))
     model.train()
     loss_sum, count = ctx.all_reduce(totals)
     return (loss_sum / count).item()
@@ -286,6 +253,27 @@ def resumed_order(order: str, epoch_samples: int, ctx: DistContext) -> str:
         log.info("the snapshot predates the %s epoch order: its epoch ends in the order it began with (%s), later "
                  "epochs use %s", EPOCH_ORDER, LEGACY_ORDER, EPOCH_ORDER)
     return order
+
+
+def eval_lockstep(val_data: Dataset, cfg: TrainerConfig, world_size: int) -> tuple[int, torch.Tensor]:
+    """Under FSDP every forward pass is a collective: every rank evaluates as many batches as the rank with the most
+    validation windows (its own are range(rank, n, world_size)), the others a filler batch for the rest."""
+    most_windows = -(-len(val_data) // world_size)
+    passes = -(-most_windows // (cfg.batch_size * EVAL_BATCH_FACTOR))
+    if cfg.eval_batches is not None:
+        passes = min(passes, cfg.eval_batches)
+    return passes, val_data.windows([0] * min(cfg.batch_size, len(val_data)))
+
+
+def gradient_scaler(amp_dtype: torch.dtype, strategy: str, ctx: DistContext) -> torch.amp.GradScaler:
+    """The fp16 loss scaler (disabled otherwise: bf16 has fp32's exponent range and needs no loss scaling). Under
+    FSDP each rank sees only its shards' gradients: the sharded scaler agrees on an overflow across ranks."""
+    enabled = amp_dtype == torch.float16
+    if strategy == "fsdp" and enabled:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(ctx.device.type, enabled=True, process_group=ctx.group)
+    return torch.amp.GradScaler(ctx.device.type, enabled=enabled)
 
 
 class ScalerState:
@@ -366,6 +354,29 @@ class LossWindow:
         self.loss_sum = torch.tensor(own, dtype=torch.float32, device=self.ctx.device)
 
 
+def optimizer_for(model: nn.Module, optimizer: torch.optim.Optimizer | Callable[[nn.Module], torch.optim.Optimizer],
+                  strategy: str) -> torch.optim.Optimizer:
+    """The optimizer, or one built now from a function of the model: FSDP replaces the parameters with shards,
+    so an optimizer made before wrapping would update parameters that are gone."""
+    if strategy == "fsdp" and not callable(optimizer):
+        raise TypeError("under strategy=fsdp the Trainer builds the optimizer: pass a function of the model")
+    return optimizer(model) if callable(optimizer) else optimizer
+
+
+def log_plan(trainer: Trainer) -> None:
+    """The line that says what this fit() is about to do."""
+    t = trainer
+    if t.step >= t.total_steps:
+        log.info("nothing to train: the snapshot in %s is at step %d, the end of this run (max_steps=%s, max_epochs="
+                 "%d). To continue it, raise trainer_config.max_steps or trainer_config.max_epochs; to start afresh, "
+                 "use another trainer_config.snapshot_path", t.checkpoints.location, t.step, t.cfg.max_steps,
+                 t.cfg.max_epochs)
+        return
+    log.info("training: steps %d -> %d (%d per epoch, %d epochs max), %d process(es) on %s, %s, %s, %s tokens per "
+             "step", t.step, t.total_steps, t.steps_per_epoch, t.cfg.max_epochs, t.ctx.world_size, t.ctx.device.type,
+             t.cfg.strategy, str(t.amp_dtype).removeprefix("torch."), f"{t.tokens_per_step:,}")
+
+
 class Trainer:
     """Runs the epochs. Nothing in it is specific to GPT beyond `model(x, y) -> (logits, loss)`. Snapshots go through
     a Checkpointer (store `snapshots`, None for none); the trainer says when training allows one and what its own
@@ -375,7 +386,7 @@ class Trainer:
         self,
         cfg: TrainerConfig,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Callable[[nn.Module], torch.optim.Optimizer],
         lr_schedule: Callable[[int, int], float],
         train_data: Dataset,
         val_data: Dataset,
@@ -384,12 +395,15 @@ class Trainer:
         snapshots: Optional[SnapshotStore] = None,
         snapshot_metadata: Optional[dict] = None,
     ) -> None:
-        self.cfg, self.ctx, self.optimizer, self.lr_schedule = cfg, ctx, optimizer, lr_schedule
-        self.raw_model = model  # unwrapped: what snapshots and the replica check read
+        ctx = group_of_one(ctx) if cfg.strategy == "fsdp" else ctx  # FSDP needs a group, even of one process
+        self.cfg, self.ctx, self.lr_schedule = cfg, ctx, lr_schedule
+        self.raw_model = model  # unwrapped (sharded in place under FSDP): what snapshots and the replica check read
         self.amp_dtype = resolve_precision(cfg.mixed_precision, ctx.device)
-        # GradScaler only for fp16: bf16 has fp32's exponent range and needs no loss scaling.
-        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=self.amp_dtype == torch.float16)
-        self.eval_model, self.ddp, self.model = wrap_model(model, cfg, ctx)
+        self.scaler = gradient_scaler(self.amp_dtype, cfg.strategy, ctx)
+        self.parallel = wrap_model(model, cfg.strategy, cfg.activation_checkpointing, cfg.compile,
+                                   cfg.shared_memory_allreduce, self.amp_dtype, ctx)
+        self.eval_model, self.ddp, self.model = self.parallel.eval_model, self.parallel.ddp, self.parallel.model
+        self.optimizer = optimizer_for(model, optimizer, cfg.strategy)
         self._setup_data(train_data, val_data)
         self.metrics = MetricsLog(run_dir, enabled=ctx.is_main)
         # Progress: everything the position in training depends on, saved in snapshots (`state_dict`).
@@ -403,8 +417,9 @@ class Trainer:
         self.window = LossWindow(ctx)
         self.checkpoints = Checkpointer(
             snapshots, snapshot_metadata or {}, Cadence(cfg.save_every, cfg.save_every_steps, cfg.keep_last), ctx,
-            {"model": model, "optimizer": optimizer, "scaler": ScalerState(self.scaler, self.amp_dtype, ctx),
-             "progress": self, "loss_window": self.window},
+            {"model": ModelState(model), "optimizer": OptimizerState(model, self.optimizer),
+             "scaler": ScalerState(self.scaler, self.amp_dtype, ctx), "progress": self, "loss_window": self.window},
+            sharded=self.parallel.sharded, exit_wait_s=cfg.stop_timeout_s,
         )
         self.stop = StopRequest(ctx.rank, ctx.device, ctx.group, cfg.stop_timeout_s, self.checkpoints.finish_quietly)
         self.progress = Progress("off", False, 0, 0)
@@ -425,6 +440,7 @@ class Trainer:
         # Without gradients a window needs a fraction of the memory: evaluate EVAL_BATCH_FACTOR x larger batches.
         self.val_loader = make_loader(val_data, own_val_windows, cfg.batch_size * EVAL_BATCH_FACTOR, False, cfg,
                                       ctx.device)
+        self._eval_lockstep = eval_lockstep(val_data, cfg, ctx.world_size)
         self.global_batch = cfg.batch_size * cfg.grad_accum_steps * ctx.world_size  # windows per optimizer step
         self.tokens_per_step = self.global_batch * train_data[0][0].numel()
         self.steps_per_epoch = self.n_train // self.global_batch
@@ -499,16 +515,7 @@ class Trainer:
             self.window.restart_clock(self.step)  # speed counts this process's steps from here
         else:
             self.window.reset(self.step)
-        if self.step >= self.total_steps:
-            log.info("nothing to train: the snapshot in %s is at step %d, the end of this run (max_steps=%s, "
-                     "max_epochs=%d). To continue it, raise trainer_config.max_steps or trainer_config.max_epochs; to "
-                     "start afresh, use another trainer_config.snapshot_path", self.checkpoints.location, self.step,
-                     self.cfg.max_steps, self.cfg.max_epochs)
-        else:
-            log.info("training: steps %d -> %d (%d per epoch, %d epochs max), %d process(es) on %s, %s, %s tokens per "
-                     "step", self.step, self.total_steps, self.steps_per_epoch, self.cfg.max_epochs,
-                     self.ctx.world_size, self.ctx.device.type, str(self.amp_dtype).removeprefix("torch."),
-                     f"{self.tokens_per_step:,}")
+        log_plan(self)
 
     def train_step(self) -> None:
         """One optimizer step on the next batches of the epoch (bench.py times exactly this)."""
@@ -521,16 +528,14 @@ class Trainer:
         for micro_step in range(self.cfg.grad_accum_steps):
             x, y = self.split(next(self._batches))
             last = micro_step == self.cfg.grad_accum_steps - 1
-            # Only the last micro-batch all-reduces; the others accumulate gradients locally.
-            with self.ddp.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext():
+            with self.parallel.micro_batch(last):  # only the last one synchronises gradients
                 with self.autocast():
                     _, loss = self.model(x, y)
                 self.scaler.scale(loss / self.cfg.grad_accum_steps).backward()
             self.window.add(loss.detach())
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         if self.cfg.grad_norm_clip > 0:
-            self.window.grad_norm = nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.grad_norm_clip,
-                                                             foreach=True)
+            self.window.grad_norm = clip_grad_norm(list(self.raw_model.parameters()), self.cfg.grad_norm_clip)
         self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -600,7 +605,8 @@ class Trainer:
         """Collective. The validation loss, recorded, logged and written as a metrics row."""
         start = time.perf_counter()
         self.last_val_loss = validation_loss(self.eval_model, self.val_loader, self.cfg.eval_batches, self.ctx,
-                                             self.split, self.autocast)
+                                             self.split, self.autocast,
+                                             self._eval_lockstep if self.parallel.sharded else None)
         self._last_eval_step = self.step
         self.metrics.write({"step": self.step, "epoch": self.epoch, "val_loss": round(self.last_val_loss, 6),
                             "elapsed_s": round(time.perf_counter() - self._fit_start, 2)})
@@ -611,7 +617,7 @@ class Trainer:
 
     def _finish(self) -> None:
         """Collective. Every rank's weights compared, the last line, and the summary."""
-        digest = weights_sha256(self.raw_model.state_dict())
+        digest = full_weights_sha256(self.raw_model)  # over the full tensors, under FSDP too
         report_end(self.metrics, digest, self.ctx.gather_objects(digest), steps=self.step, epochs_completed=self.epoch,
                    finished=not self.stopped_early, val_loss=self.last_val_loss,
                    wall_time_s=round(time.perf_counter() - self._fit_start, 2), world_size=self.ctx.world_size)

@@ -86,7 +86,7 @@ def test_workers_of_a_killed_agent_stop_and_a_rerun_ends_as_if_uninterrupted(tmp
     assert "stop requested (SIGTERM)" in log, log[-3000:]
     assert not [p.name for p in snaps.iterdir() if ".tmp-" in p.name]  # nothing half-written
     for entry in snap.SnapshotStore(str(snaps)).entries():
-        snap.read_file(str(snaps / entry.name))  # every snapshot there reads back intact
+        snap.read_snapshot(str(snaps / entry.name))  # every snapshot there reads back intact
 
     rerun = run_cli(job_args(snaps, run_dir, steps), tmp_path, nproc=2)  # the user runs the command again
     assert_ok(rerun)

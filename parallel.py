@@ -1,0 +1,307 @@
+"""How the model is spread over the processes, and its state in the form each way saves and loads.
+
+    ddp   DistributedDataParallel: every rank holds the whole model, its gradients and the optimizer state; the
+          gradients are all-reduced (through /dev/shm on one CPU host, see shm_allreduce.py).
+    fsdp  torch's FSDP2 `fully_shard` on each transformer block and on the root: each rank holds 1/N of every
+          parameter, gradient and optimizer state; a block's parameters are all-gathered for its forward and
+          backward and freed again, gradients are reduce-scattered.
+
+Activation checkpointing (`blocks`) recomputes each block's activations in the backward pass instead of keeping
+them, under either strategy. The model and optimizer state go into snapshots through `ModelState` and
+`OptimizerState`: DDP saves the optimizer's own state_dict (one file, rank 0); FSDP saves each rank's shards keyed
+by parameter name (torch.distributed.checkpoint.state_dict), and either form loads into either strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+
+from distributed import DistContext
+from shm_allreduce import FLOAT_BYTES, SharedMemoryAllReduce, shared_memory_allreduce_hook
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("ddp", "fsdp")
+ACTIVATION_CHECKPOINTING = ("none", "blocks")
+
+
+@dataclass
+class Parallel:
+    """The model as training and evaluation call it. `ddp` is DDP's wrapper (None otherwise); `sharded` is True
+    under FSDP, where every forward pass is a collective."""
+
+    eval_model: nn.Module
+    model: nn.Module
+    ddp: Optional[DDP]
+    sharded: bool
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
+        """The context of one micro-batch's forward and backward: only the last one of a step synchronises
+        gradients (DDP's all-reduce, FSDP's reduce-scatter); the others accumulate them locally."""
+        if self.sharded:
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        if self.ddp is not None and not last:
+            return self.ddp.no_sync()
+        return contextlib.nullcontext()
+
+
+def wrap_model(model: nn.Module, strategy: str, activation_checkpointing: str, compile: bool,
+               shared_memory_allreduce: bool, amp_dtype: torch.dtype, ctx: DistContext) -> Parallel:
+    """Collective under DDP and FSDP."""
+    if activation_checkpointing == "blocks":
+        for block in blocks_of(model):
+            checkpoint_activations(block)
+    if strategy == "fsdp":
+        return _fully_shard(model, compile, amp_dtype, ctx)
+    compiled = compile_model(model, ctx.device) if compile else model
+    if not ctx.distributed:
+        return Parallel(compiled, compiled, None, sharded=False)
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    shm_reducer = shared_memory_reducer(model, shared_memory_allreduce, ctx)
+    bucket_options = {}
+    if shm_reducer is not None:  # one bucket: one barrier per step (with a core per process nothing overlaps)
+        bucket_options["bucket_cap_mb"] = shm_reducer.num_elements * FLOAT_BYTES / 2**20 + 1
+    # forward_sync_buffers=False: no buffer needs syncing (the attention mask buffer is a constant), so skip a
+    # broadcast per forward pass. gradient_as_bucket_view=True: gradients live inside the all-reduce buckets
+    # (no copy, less memory).
+    ddp = DDP(compiled, device_ids=device_ids, forward_sync_buffers=False, gradient_as_bucket_view=True,
+              process_group=ctx.group, **bucket_options)
+    if shm_reducer is not None:
+        ddp.register_comm_hook(shm_reducer, shared_memory_allreduce_hook)
+    return Parallel(compiled, ddp, ddp, sharded=False)
+
+
+def _fully_shard(model: nn.Module, compile: bool, amp_dtype: torch.dtype, ctx: DistContext) -> Parallel:
+    """FSDP2 on each block, then the root (the embeddings, the final norm and the tied head). Under mixed
+    precision the parameters are all-gathered in the autocast dtype and gradients reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if amp_dtype != torch.float32:
+        policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
+    for block in blocks_of(model):
+        if compile:  # per block, before sharding: FSDP's hooks stay outside the compiled graphs (as torchtitan)
+            block.compile(**compile_options(ctx.device))
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return Parallel(model, model, None, sharded=True)
+
+
+def blocks_of(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks: the unit of sharding and of activation checkpointing."""
+    return model.transformer.h
+
+
+def checkpoint_activations(block: nn.Module) -> None:
+    """Recompute `block`'s activations in the backward pass instead of keeping them. The forward is replaced on the
+    instance, not wrapped in another module, so parameter names (and snapshots) stay as they are; dropout draws
+    the same masks again (checkpoint restores the RNG state)."""
+    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def compile_options(device: torch.device) -> dict:
+    # On a CPU, C++ rather than Python calls the generated kernels: a few % of a small step (README, Benchmarks).
+    return {"options": {"cpp_wrapper": True}} if device.type == "cpu" else {}
+
+
+def compile_model(model: nn.Module, device: torch.device) -> nn.Module:
+    return torch.compile(model, **compile_options(device))
+
+
+def shared_memory_reducer(model: nn.Module, enabled: bool, ctx: DistContext) -> Optional[SharedMemoryAllReduce]:
+    """Collective. The /dev/shm gradient all-reduce where it applies: CPU ranks that all share one host
+    (about half the time of gloo's TCP all-reduce on one host: README, Benchmarks)."""
+    if ctx.device.type != "cpu":
+        return None
+    params = [p for p in model.parameters() if p.requires_grad]
+    reducer = None
+    if not enabled:
+        why_not = "trainer_config.shared_memory_allreduce=false"
+    elif any(p.dtype != torch.float32 for p in params):
+        why_not = "the parameters are not all fp32"
+    else:
+        reducer = SharedMemoryAllReduce.create(sum(p.numel() for p in params), ctx.group)
+        why_not = "the ranks do not all share one host's /dev/shm, or it has no room"
+    if ctx.is_main:
+        how = "through shared memory (/dev/shm)" if reducer is not None else f"by gloo ({why_not})"
+        log.info("gradients are averaged %s", how)
+    return reducer
+
+
+def prime_ddp_buckets(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
+                      autocast: Callable[[], contextlib.AbstractContextManager], device: torch.device) -> None:
+    """One throw-away forward/backward before training, in fresh and resumed runs alike.
+
+    DDP rebuilds its gradient buckets after its first backward pass, in the order gradients became ready. If that
+    first pass were a real step, a resumed run (whose first step is a different step) would reduce in a different
+    order than the uninterrupted one, and with 3+ ranks the sums would differ in the last bits.
+    """
+    x, y = batch
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with autocast():
+            _, loss = model(x, y)
+        loss.backward()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip to a global norm; under FSDP the norm is over all ranks' shards (a collective). Returns the norm before
+    clipping as a plain tensor."""
+    total = nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # the shards' partial norms, combined
+    nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    return total
+
+
+# ----------------------------------------------------------------------------------------------- state
+def is_sharded_state(state: Any) -> bool:
+    """True if a (nested) state holds DTensors: shards, not full tensors."""
+    if isinstance(state, DTensor):
+        return True
+    if isinstance(state, dict):
+        return any(is_sharded_state(value) for value in state.values())
+    return False
+
+
+def is_sharded_model(model: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+class ModelState:
+    """The model in a snapshot: a DDP snapshot holds `model.state_dict()` (full tensors), an FSDP one each rank's
+    shards. `named_state_dict()` is the form this process holds (DTensors under FSDP): what a sharded snapshot
+    loads into."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.sharded = is_sharded_model(model)
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.model) if self.sharded else self.model.state_dict()
+
+    def named_state_dict(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self.sharded:
+            self.model.load_state_dict(state)
+            return
+        full = not is_sharded_state(state)  # a DDP snapshot's full tensors: each rank keeps its shards of them
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=full))
+
+
+class OptimizerState:
+    """The optimizer in a snapshot. DDP: the optimizer's own state_dict (parameters numbered); FSDP: keyed by
+    parameter name, each rank's shards. Either loads into either strategy."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.sharded = is_sharded_model(model)
+
+    def state_dict(self) -> dict:
+        return self.named_state_dict() if self.sharded else self.optimizer.state_dict()
+
+    def named_state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        numbered = any(isinstance(p, int) for group in state["param_groups"] for p in group["params"])
+        if numbered and not self.sharded:
+            self.optimizer.load_state_dict(state)
+            return
+        if numbered:
+            state = named_optimizer_state(state, parameter_names(self.optimizer, self.model))
+        full = not is_sharded_state(state)
+        set_optimizer_state_dict(self.model, self.optimizer, state,
+                                 options=StateDictOptions(full_state_dict=full and self.sharded))
+
+
+def parameter_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
+    """The names of the optimizer's parameters in its own numbering (group by group, as `state_dict()` numbers
+    them); a tied parameter goes by its first name."""
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters():  # named_parameters skips the second name of a tied parameter
+        names.setdefault(id(param), name)
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def named_optimizer_state(state: dict, names: list[str]) -> dict:
+    """An optimizer state_dict with numbered parameters -> the same keyed by parameter name."""
+    return {
+        "state": {names[index]: value for index, value in state["state"].items()},
+        "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
+                         for group in state["param_groups"]],
+    }
+
+
+def numbered_optimizer_state(state: dict) -> dict:
+    """The reverse of `named_optimizer_state`: names numbered group by group, as the optimizer numbers them."""
+    order = [name for group in state["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(order)}
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                         for group in state["param_groups"]],
+    }
+
+
+def full_tensors(state: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective under FSDP. (name, full tensor) in sorted name order, one tensor gathered at a time."""
+    for name in sorted(state):
+        value = state[name]
+        yield name, value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def full_weights_sha256(model: nn.Module) -> str:
+    """Collective under FSDP. snapshot.weights_sha256 of the model's full tensors, without holding them all."""
+    digest = hashlib.sha256()
+    for _, tensor in full_tensors(model.state_dict()):
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(memoryview(flat.view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+def full_model_copy(model: nn.Module, build: Callable[[], nn.Module], ctx: DistContext) -> Optional[nn.Module]:
+    """Collective under FSDP. An unsharded copy of the model on global rank 0 (None on the others), for what one
+    process does alone (generating a sample). Without sharding, the model itself."""
+    if not is_sharded_model(model):
+        return model
+    state = {name: tensor.cpu() for name, tensor in full_tensors(model.state_dict())}
+    if not ctx.is_main:
+        return None
+    copy = build()
+    copy.load_state_dict(state)
+    return copy.to(ctx.device)
+
+
+def group_of_one(ctx: DistContext) -> DistContext:
+    """A process on its own, given a process group of one: FSDP's device mesh needs one (one shard holds all)."""
+    if ctx.distributed:
+        return ctx
+    if not dist.is_initialized():
+        backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        raise RuntimeError("a process of a larger group cannot shard on its own")
+    return DistContext(device=ctx.device, group=dist.group.WORLD)

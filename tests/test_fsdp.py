@@ -1,0 +1,393 @@
+"""strategy=fsdp in one process (FSDP2 over a process group of one: one shard holds all, the same code paths as
+N ranks), sharded snapshots (torch.distributed.checkpoint), their damage and commit rules, DDP <-> FSDP resumes,
+the snapshot tools (consolidate, export), activation checkpointing. Several processes: tests/test_fsdp_ranks.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import subprocess
+
+import pytest
+import torch
+import torch.distributed as dist
+from support import assert_ok, cli
+
+import sharded
+import snapshot as snap
+from char_dataset import CharCorpus, DataConfig
+from distributed import DistContext
+from errors import CorruptSnapshot, UsageError
+from model import GPT, GPTConfig
+from optim import OptimizerConfig, build_optimizer, learning_rate
+from parallel import checkpoint_activations, named_optimizer_state, numbered_optimizer_state, parameter_names
+from sample import load_snapshot, model_from_snapshot
+from trainer import Trainer, TrainerConfig, eval_lockstep
+
+TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(300))
+
+
+@pytest.fixture(autouse=True)
+def no_group_left():
+    """FSDP alone makes a process group of one in this process: gone after each test, as after a run."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def make_trainer(snapshots=None, strategy="fsdp", dropout=0.1, **trainer_kwargs) -> Trainer:
+    corpus = CharCorpus.from_text(TEXT, DataConfig(block_size=16))
+    torch.manual_seed(0)
+    gpt_cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, dropout=dropout, vocab_size=len(corpus.vocab), block_size=16)
+    model = GPT(gpt_cfg)
+    metadata = {"model_config": dataclasses.asdict(gpt_cfg), "vocab": corpus.vocab.chars, "strategy": strategy}
+    opt_cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3)
+    cfg = TrainerConfig(**{"mixed_precision": "fp32", "log_every_steps": 5, "batch_size": 8, "strategy": strategy,
+                           "eval_batches": 2, **trainer_kwargs})
+    store = None if snapshots is None else snap.SnapshotStore(str(snapshots))
+    return Trainer(cfg, model, lambda m: build_optimizer(m, opt_cfg),
+                   lambda step, total: learning_rate(step, opt_cfg, total), corpus.train_dataset(),
+                   corpus.val_dataset(), DistContext(), snapshots=store, snapshot_metadata=metadata)
+
+
+def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+            for name, t in trainer.raw_model.state_dict().items()}
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def reopen(trainer_factory):
+    """A trainer built afresh in this process, as a restarted job builds it."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return trainer_factory()
+
+
+# ------------------------------------------------------------------------------------------- training and resume
+def test_one_shard_trains_saves_shards_and_resumes_bit_for_bit(tmp_path):
+    straight = make_trainer(tmp_path / "a", max_steps=12, save_every_steps=6, keep_last=5)
+    straight.fit()
+    expected = full_weights(straight)
+    names = sorted(os.listdir(tmp_path / "a"))
+    assert names == ["snapshot-000000006.dcp", "snapshot-000000012.dcp"]
+    folder = tmp_path / "a" / "snapshot-000000006.dcp"
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "snapshot.json"]
+    doc = json.loads((folder / "snapshot.json").read_text())
+    assert doc["strategy"] == "fsdp" and doc["world_size"] == 1 and doc["progress"]["step"] == 6
+    assert set(doc["files"]) == {".metadata", "__0_0.distcp"}
+
+    (tmp_path / "b").mkdir()
+    os.rename(folder, tmp_path / "b" / folder.name)  # resume from step 6 alone
+    resumed = reopen(lambda: make_trainer(tmp_path / "b", max_steps=12, save_every_steps=6, keep_last=5))
+    resumed.fit()
+    assert resumed.trained_steps == 6
+    assert_same_weights(full_weights(resumed), expected)
+    assert snap.summary(snap.read_snapshot(str(tmp_path / "b" / "snapshot-000000012.dcp")))["weights_sha256"] == \
+        snap.weights_sha256(expected)
+
+
+def test_gradient_accumulation_and_clipping_work_sharded():
+    """Two micro-batches of 4 give the update of one batch of 8 (no gradient sync on the first); the clipped
+    norm is the global norm over all shards."""
+    big = make_trainer(max_steps=1, batch_size=8, dropout=0.0, grad_norm_clip=0.05)
+    big.train_step()
+    big_weights, big_norm = full_weights(big), big.window.grad_norm
+    small = reopen(lambda: make_trainer(max_steps=1, batch_size=4, grad_accum_steps=2, dropout=0.0,
+                                        grad_norm_clip=0.05))
+    small.train_step()
+    assert not isinstance(big_norm, torch.distributed.tensor.DTensor) and float(big_norm) > 0.05  # it clipped
+    small_weights = full_weights(small)
+    for name in big_weights:
+        torch.testing.assert_close(small_weights[name], big_weights[name], atol=1e-6, rtol=1e-5)
+
+
+def test_ddp_and_fsdp_resume_each_others_snapshots(tmp_path, caplog):
+    ddp = make_trainer(tmp_path / "ddp", strategy="ddp", max_steps=6)
+    ddp.fit()
+    into_fsdp = make_trainer(tmp_path / "ddp", max_steps=6)  # a run at its end: loads, trains nothing
+    into_fsdp.fit()
+    assert into_fsdp.step == 6 and into_fsdp.trained_steps == 0
+    assert_same_weights(full_weights(into_fsdp), full_weights(ddp))
+    # and the optimizer state came along: one more step from each gives the same weights
+    ddp_more = reopen(lambda: make_trainer(tmp_path / "ddp", strategy="ddp", max_steps=7, save_every=100))
+    ddp_more.fit()
+    fsdp_more = reopen(lambda: make_trainer(tmp_path / "ddp", max_steps=7, save_every=100))
+    fsdp_more.fit()
+    assert_same_weights(full_weights(fsdp_more), full_weights(ddp_more))
+
+    fsdp = reopen(lambda: make_trainer(tmp_path / "fsdp", max_steps=6))
+    fsdp.fit()
+    into_ddp = reopen(lambda: make_trainer(tmp_path / "fsdp", strategy="ddp", max_steps=7, save_every=100))
+    into_ddp.fit()
+    again = reopen(lambda: make_trainer(tmp_path / "fsdp", max_steps=7, save_every=100))
+    again.fit()
+    assert_same_weights(full_weights(into_ddp), full_weights(again))
+
+
+def test_validation_runs_as_many_forward_passes_on_every_rank():
+    corpus = CharCorpus.from_text(TEXT, DataConfig(block_size=16))
+    val = corpus.val_dataset()
+    cfg = TrainerConfig(batch_size=8)
+    n = len(val)  # each rank's windows are range(rank, n, world_size): the first rank has the most
+    for world_size in (1, 2, 3, 7):
+        passes, filler = eval_lockstep(val, cfg, world_size)
+        assert passes == -(-len(range(0, n, world_size)) // 32)
+        assert filler.shape == (8, 17)
+    assert eval_lockstep(val, TrainerConfig(batch_size=8, eval_batches=1), 2)[0] == 1
+
+
+# ------------------------------------------------------------------------------------------- damage and commit
+def two_snapshots(tmp_path) -> list[str]:
+    make_trainer(tmp_path, max_steps=8, save_every_steps=4).fit()
+    return sorted(os.listdir(tmp_path))
+
+
+def rewrite_doc(folder, change) -> None:
+    """Edit snapshot.json and renew its own checksum: what a hand-crafted foreign snapshot would do."""
+    path = folder / "snapshot.json"
+    doc = json.loads(path.read_text())
+    change(doc)
+    doc["meta_sha256"] = sharded.doc_sha256(doc)
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("flip a shard byte", "__0_0.distcp checksum mismatch"),
+    ("truncate a shard", "__0_0.distcp has"),
+    ("remove the index", ".metadata is missing"),
+    ("edit snapshot.json", "snapshot.json checksum mismatch"),
+    ("break snapshot.json", "snapshot.json is not JSON"),
+    ("remove snapshot.json", "incomplete"),
+])
+def test_damaged_sharded_snapshot_is_skipped_for_the_previous_one(tmp_path, damage, message, caplog):
+    names = two_snapshots(tmp_path)
+    newest = tmp_path / names[-1]
+    shard = newest / "__0_0.distcp"
+    if damage == "flip a shard byte":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate a shard":
+        shard.write_bytes(shard.read_bytes()[:-10])
+    elif damage == "remove the index":
+        (newest / ".metadata").unlink()
+    elif damage == "edit snapshot.json":
+        doc = (newest / "snapshot.json").read_text()
+        (newest / "snapshot.json").write_text(doc.replace('"step": 8', '"step": 9'))
+    elif damage == "break snapshot.json":
+        (newest / "snapshot.json").write_text("{")
+    else:
+        (newest / "snapshot.json").unlink()
+    entry, found = snap.SnapshotStore(str(tmp_path)).load_newest_valid()
+    assert entry.name == names[0] and found["progress"]["step"] == 4
+    assert message in caplog.text
+
+
+def test_a_shard_index_that_references_code_is_refused_without_running_it(tmp_path):
+    names = two_snapshots(tmp_path)
+    newest = tmp_path / names[-1]
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (newest / ".metadata").write_bytes(pickle.dumps(Payload()))
+    rewrite_doc(newest, lambda doc: doc["files"][".metadata"].update(
+        bytes=(newest / ".metadata").stat().st_size,
+        sha256=__import__("hashlib").sha256((newest / ".metadata").read_bytes()).hexdigest()))
+    with pytest.raises(UsageError, match="references code"):
+        snap.SnapshotStore(str(tmp_path)).load_newest_valid()
+    assert not marker.exists()
+
+
+def test_a_shard_index_of_pickled_objects_is_refused(tmp_path):
+    """DCP would unpickle non-tensor items with weights_only=False: a snapshot holding any is refused."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    names = two_snapshots(tmp_path)
+    newest = tmp_path / names[-1]
+    index = sharded.parse_index((newest / ".metadata").read_bytes(), "x")
+    index.state_dict_metadata["extra"] = BytesStorageMetadata()
+    data = pickle.dumps(index)
+    with pytest.raises(UsageError, match="pickled objects"):
+        sharded.parse_index(data, "x")
+
+
+def test_an_interrupted_local_save_stays_hidden_and_is_removed_after_the_next(tmp_path):
+    names = two_snapshots(tmp_path)
+    leftover = tmp_path / ".snapshot-000000012.dcp.tmp-1-deadbeef"
+    leftover.mkdir()
+    (leftover / "__0_0.distcp").write_bytes(b"partial")
+    store = snap.SnapshotStore(str(tmp_path))
+    assert [e.name for e in store.entries()] == names[::-1]
+    assert store.prune(keep_last=2) == [] and not leftover.exists()
+
+
+def test_on_an_object_store_a_folder_without_its_commit_file_is_incomplete(tmp_path):
+    """memory:// stands for any fsspec store: the shards are written in place, snapshot.json last."""
+    url = f"memory://fsdp-{os.getpid()}-{tmp_path.name}"
+    make_trainer(url, max_steps=8, save_every_steps=4).fit()
+    store = snap.SnapshotStore(url)
+    assert [e.name for e in store.entries()] == ["snapshot-000000008.dcp", "snapshot-000000004.dcp"]
+    store.fs.pipe_file(f"{store.root}/snapshot-000000012.dcp/__0_0.distcp", b"partial")  # a killed save
+    assert [e.step for e in store.entries()] == [8, 4]
+    assert store.load_newest_valid()[0].step == 8
+    assert store.prune(keep_last=2) == ["the incomplete snapshot-000000012.dcp"]
+    assert not store.fs.exists(f"{store.root}/snapshot-000000012.dcp")
+    resumed = reopen(lambda: make_trainer(url, max_steps=10, save_every_steps=4))
+    resumed.fit()
+    assert resumed.trained_steps == 2
+    store.fs.rm(store.root, recursive=True)
+
+
+# ------------------------------------------------------------------------------------------- tools
+def test_consolidate_export_info_and_sample_read_sharded_snapshots(tmp_path):
+    trainer = make_trainer(tmp_path / "s", max_steps=6)
+    trainer.fit()
+    weights = full_weights(trainer)
+    source = str(tmp_path / "s" / "snapshot-000000006.dcp")
+    info = snap.summary(snap.read_snapshot(source))
+    assert info["format"] == "sharded" and info["strategy"] == "fsdp" and info["step"] == 6
+    assert info["weights_sha256"] == snap.weights_sha256(weights)
+
+    target = snap.consolidate(source, str(tmp_path / "one"))
+    assert target.endswith("one/snapshot-000000006.pt")
+    single = snap.read_snapshot(target)
+    assert {k: v for k, v in snap.summary(single).items() if k != "format"} == \
+        {k: v for k, v in info.items() if k != "format"}
+    assert_same_weights(single["model"], weights)
+    assert isinstance(next(iter(single["optimizer"]["state"])), int)  # numbered, as torch.optim's own
+
+    folder = snap.export(source, str(tmp_path / "export"))
+    from safetensors.torch import load_file
+
+    exported = load_file(os.path.join(folder, "model.safetensors"))
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["tied_weights"] == {"lm_head.weight": "transformer.wte.weight"}
+    exported["lm_head.weight"] = exported[config["tied_weights"]["lm_head.weight"]]
+    assert_same_weights(exported, weights)
+    assert config["weights_sha256"] == info["weights_sha256"] and config["vocab"] == single["vocab"]
+
+    model, vocab = model_from_snapshot(load_snapshot(source), torch.device("cpu"))  # sample.py's loading
+    assert_same_weights(model.state_dict(), weights) and len(vocab.chars) == len(single["vocab"])
+    model, _ = model_from_snapshot(load_snapshot(str(tmp_path / "s")), torch.device("cpu"))  # the newest in a folder
+    assert_same_weights(model.state_dict(), weights)
+
+
+def test_snapshot_cli_lists_consolidates_and_exports(tmp_path):
+    make_trainer(tmp_path / "s", max_steps=6).fit()
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(cli(list(args), script="snapshot.py"), capture_output=True, text=True)
+
+    listing = run("list", str(tmp_path / "s"))
+    assert_ok(listing)
+    row = json.loads(listing.stdout.splitlines()[0])
+    assert row["format"] == "sharded" and row["name"] == "snapshot-000000006.dcp" and row["bytes"] > 1000
+    assert_ok(run("consolidate", str(tmp_path / "s" / row["name"]), str(tmp_path / "one.pt")))
+    assert snap.read_snapshot(str(tmp_path / "one.pt"))["progress"]["step"] == 6
+    assert_ok(run("export", str(tmp_path / "one.pt"), str(tmp_path / "export")))  # a single file exports too
+    assert sorted(os.listdir(tmp_path / "export")) == ["config.json", "model.safetensors"]
+    missing = run("info", str(tmp_path / "s" / "snapshot-000000099.dcp"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no such snapshot" in missing.stderr
+
+
+def test_optimizer_state_numbering_round_trips():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=20, block_size=8))
+    optimizer = build_optimizer(model, OptimizerConfig())
+    x = torch.randint(0, 20, (2, 8))
+    model(x, x)[1].backward()
+    optimizer.step()
+    native = optimizer.state_dict()
+    names = parameter_names(optimizer, model)
+    assert len(names) == len(set(names)) == sum(len(g["params"]) for g in optimizer.param_groups)
+    assert numbered_optimizer_state(named_optimizer_state(native, names)) == native
+
+
+# ------------------------------------------------------------------------------------------- activation checkpointing
+def test_activation_checkpointing_gives_the_same_losses_and_weights(tmp_path):
+    """Recomputing each block in the backward pass, dropout included, is the same arithmetic."""
+    plain = make_trainer(strategy="ddp", max_steps=5)
+    plain.fit()
+    checkpointed = make_trainer(strategy="ddp", max_steps=5, activation_checkpointing="blocks")
+    checkpointed.fit()
+    assert_same_weights(full_weights(checkpointed), full_weights(plain))
+    sharded_checkpointed = make_trainer(max_steps=5, activation_checkpointing="blocks")
+    sharded_checkpointed.fit()
+    assert sharded_checkpointed.last_val_loss == pytest.approx(plain.last_val_loss, rel=1e-5)
+
+
+def test_checkpointed_blocks_keep_their_parameter_names():
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=20, block_size=8))
+    names = list(model.state_dict())
+    for block in model.transformer.h:
+        checkpoint_activations(block)
+    assert list(model.state_dict()) == names
+
+
+# ------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("field, value", [("strategy", "zero3"), ("activation_checkpointing", "all")])
+def test_unknown_strategy_or_checkpointing_is_one_line(field, value):
+    with pytest.raises(UsageError, match=f"trainer_config.{field} must be one of"):
+        TrainerConfig(**{field: value})
+
+
+def test_a_snapshot_of_another_shape_is_refused_in_one_line(tmp_path):
+    make_trainer(tmp_path, max_steps=2).fit()
+    other = {"model_config": {"n_layer": 3}, "vocab": CharCorpus.from_text(TEXT, DataConfig()).vocab.chars}
+    with pytest.raises(UsageError, match="different model: n_layer=2 in the snapshot, 3 in the config"):
+        snap.SnapshotStore(str(tmp_path)).load_newest_valid(other["model_config"], other["vocab"])
+
+
+def test_a_newer_sharded_format_is_refused(tmp_path):
+    names = two_snapshots(tmp_path)
+    rewrite_doc(tmp_path / names[-1], lambda doc: doc.update(format_version=99))
+    with pytest.raises(UsageError, match="sharded snapshot format 99, newer"):
+        snap.SnapshotStore(str(tmp_path)).load_newest_valid()
+
+
+def test_split_and_merge_keep_the_nesting():
+    state = {"model": {"w": torch.ones(2)}, "optimizer": {"state": {"w": {"step": torch.tensor(1.0)}},
+                                                         "param_groups": [{"lr": 0.1, "params": ["w"]}]},
+             "progress": {"step": 3}, "scaler": {}}
+    tensors, plain = sharded.split_tensors(state)
+    assert set(tensors) == {"model", "optimizer"} and "state" in tensors["optimizer"]
+    assert plain == {"optimizer": {"param_groups": [{"lr": 0.1, "params": ["w"]}]}, "progress": {"step": 3},
+                     "scaler": {}}
+    assert sharded.merge(tensors, plain) == state or str(sharded.merge(tensors, plain)) == str(state)
+    with pytest.raises(TypeError, match="not a string"):
+        sharded.split_tensors({"state": {0: torch.ones(1)}})
+
+
+def test_corrupt_snapshot_is_one_type_for_both_kinds():
+    assert snap.CorruptSnapshot is CorruptSnapshot
+
+
+def test_sharded_snapshots_on_s3(s3):
+    """The local S3 server: each save's shards, index and (last) snapshot.json under its prefix; a killed save's
+    objects are not a snapshot and are removed after the next save; info and resume read it back."""
+    s3.create_bucket(Bucket="shards")
+    url = "s3://shards/run"
+    make_trainer(url, max_steps=8, save_every_steps=4).fit()
+
+    def keys() -> list[str]:
+        return sorted(o["Key"] for o in s3.list_objects_v2(Bucket="shards").get("Contents", []))
+
+    assert keys() == [f"run/snapshot-00000000{step}.dcp/{name}" for step in (4, 8)
+                      for name in (".metadata", "__0_0.distcp", "snapshot.json")]
+    s3.put_object(Bucket="shards", Key="run/snapshot-000000012.dcp/__0_0.distcp", Body=b"partial")  # a killed save
+    info = snap.summary(snap.read_snapshot(f"{url}/snapshot-000000008.dcp"))
+    assert info["step"] == 8 and info["format"] == "sharded"
+    resumed = reopen(lambda: make_trainer(url, max_steps=12, save_every_steps=4))
+    resumed.fit()
+    assert resumed.trained_steps == 4
+    assert "run/snapshot-000000012.dcp/snapshot.json" in keys()  # the step was saved again, completely
+    assert not any(key.startswith("run/snapshot-000000004.dcp/") for key in keys())  # keep_last=2
