@@ -152,6 +152,7 @@ class Trial:
     index: int
     restart: str
     kills: list[Kill] = field(default_factory=list)
+    strategy: str = "ddp"
     exit_code: Optional[int] = None
     resumed: bool = False
     identical: bool = False
@@ -439,17 +440,22 @@ def freeze_code(folder: Path) -> Path:
 
 
 def run_chaos(trials: int, seed: int = 0, nproc: int = 2, workdir: Optional[Path] = None, steps: int = 45,
-              kills: int = 2, timeout: float = 300, log: Callable[[str], None] = print, strategy: str = "ddp") -> dict:
-    """The reference run and `trials` chaos trials; returns the results (see main() for the table)."""
-    overrides = (f"trainer_config.strategy={strategy}",)
+              kills: int = 2, timeout: float = 300, log: Callable[[str], None] = print,
+              strategies: tuple[str, ...] = ("ddp",)) -> dict:
+    """A reference run per strategy and `trials` chaos trials; returns the results (see main() for the table).
+    Trials take the strategies in turn, each for a pair of trials (both kinds of restart)."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     started = time.monotonic()
     code = freeze_code(workdir / "code")
-    reference = run_reference(workdir / "reference", nproc, steps, timeout, code, overrides)
-    log(f"reference: {steps} steps in {reference['seconds']} s (start-up {reference['startup_s']} s), "
-        f"sha256 {reference['sha256'][:16]}")
+    references = {}
+    for strategy in strategies:
+        overrides = (f"trainer_config.strategy={strategy}",)
+        references[strategy] = run_reference(workdir / f"reference-{strategy}", nproc, steps, timeout, code, overrides)
+        reference = references[strategy]
+        log(f"reference ({strategy}): {steps} steps in {reference['seconds']} s (start-up "
+            f"{reference['startup_s']} s), sha256 {reference['sha256'][:16]}")
     # Moments in shuffled rounds of all four: any 4 consecutive kills cover every moment.
     targets: list[str] = []
     while len(targets) < trials * kills:
@@ -457,9 +463,12 @@ def run_chaos(trials: int, seed: int = 0, nproc: int = 2, workdir: Optional[Path
     results = []
     for i in range(trials):
         restart = RESTARTS[i % len(RESTARTS)]
+        strategy = strategies[i // len(RESTARTS) % len(strategies)]
+        reference = references[strategy]
         folder, trial_rng = workdir / f"trial-{i + 1:03d}", random.Random(rng.getrandbits(64))
         trial = run_trial(i + 1, folder, restart, targets[i * kills : (i + 1) * kills], trial_rng, nproc, steps,
-                          reference["startup_s"], timeout, code, overrides)
+                          reference["startup_s"], timeout, code, (f"trainer_config.strategy={strategy}",))
+        trial.strategy = strategy
         if trial.resumed:
             trial.identical, why = compare(folder / "run", reference)
             if not trial.identical:
@@ -476,9 +485,11 @@ def run_chaos(trials: int, seed: int = 0, nproc: int = 2, workdir: Optional[Path
         "seconds": round(time.monotonic() - started, 1),
     }
     return {
-        "config": {"seed": seed, "nproc": nproc, "steps": steps, "strategy": strategy, "kills_per_trial": kills,
-                   "save_every_steps": SAVE_EVERY, "eval_every_steps": EVAL_EVERY, "workdir": str(workdir)},
-        "reference": {k: reference[k] for k in ("sha256", "startup_s", "seconds")},
+        "config": {"seed": seed, "nproc": nproc, "steps": steps, "strategies": list(strategies),
+                   "kills_per_trial": kills, "save_every_steps": SAVE_EVERY, "eval_every_steps": EVAL_EVERY,
+                   "workdir": str(workdir)},
+        "reference": {name: {k: ref[k] for k in ("sha256", "startup_s", "seconds")}
+                      for name, ref in references.items()},
         "summary": summary,
         "trials": [{**asdict(t), "lost": t.lost} for t in results],
     }
@@ -490,7 +501,7 @@ def trial_line(t: Trial) -> str:
         if k.hit != "missed" else f"{k.target}->missed (job ended first)" for k in t.kills
     )
     status = "ok" if t.identical else f"FAILED: {t.error.splitlines()[0] if t.error else 'not identical'}"
-    return f"trial {t.index:3d} {t.restart:8s} {t.seconds:6.1f} s  {status}  [{kills}]"
+    return f"trial {t.index:3d} {t.strategy:4s} {t.restart:8s} {t.seconds:6.1f} s  {status}  [{kills}]"
 
 
 def table(result: dict) -> str:
@@ -516,13 +527,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the workdir (a temp workdir is deleted)")
     parser.add_argument("--json", type=Path, help="also write the full results to this JSON file")
     parser.add_argument("--timeout", type=float, default=300, help="seconds one attempt may take (default 300)")
-    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
-                        help="trainer_config.strategy of the job (default ddp; fsdp saves folders of shards)")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp", "both"), default="ddp",
+                        help="trainer_config.strategy of the job (default ddp; fsdp saves folders of shards; both: "
+                             "pairs of trials in turn, each against its own reference)")
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))
     try:
         result = run_chaos(args.trials, args.seed, args.nproc, workdir, args.steps, args.kills, args.timeout,
-                           strategy=args.strategy)
+                           strategies=("ddp", "fsdp") if args.strategy == "both" else (args.strategy,))
     finally:
         if args.workdir is None and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -48,10 +48,11 @@ class Cadence:
 
 @dataclass
 class Restored:
-    """What `restore()` found: the snapshot's URL and the number of processes that wrote it."""
+    """What `restore()` found: the snapshot's URL, the number of processes that wrote it and their strategy."""
 
     url: str
     world_size: int
+    strategy: str  # the strategy it was trained under (older snapshots: ddp)
 
 
 class Checkpointer:
@@ -64,6 +65,7 @@ class Checkpointer:
         self.blocked_s: list[float] = []  # training-thread time per snapshot, for reports and bench.py
         self._last_saved_step = -1
         self._writer: Optional[snapshot_lib.BackgroundWriter | sharded_lib.ShardedWriter] = None
+        self._group: Any = None  # the snapshot threads' gloo group, made at the first sharded save or load
 
     @property
     def location(self) -> str:
@@ -102,8 +104,14 @@ class Checkpointer:
         """Collective when sharded (every rank saves at the same step): the snapshot threads' own group."""
         if not self.sharded:
             return snapshot_lib.BackgroundWriter(self.store, self.cadence.keep_last)
-        return sharded_lib.ShardedWriter(self.store, self.cadence.keep_last, self.ctx.rank, sharded_lib.new_group(),
+        return sharded_lib.ShardedWriter(self.store, self.cadence.keep_last, self.ctx.rank, self._snapshot_group(),
                                          snapshot_lib.SAVE_ATTEMPTS, snapshot_lib.SAVE_FIRST_BACKOFF_S)
+
+    def _snapshot_group(self) -> Any:
+        """Collective the first time (every rank saves or loads shards at the same point)."""
+        if self._group is None and self.ctx.distributed:
+            self._group = sharded_lib.new_group()
+        return self._group
 
     def wait(self, raise_error: bool = True) -> None:
         """Block until the snapshot being written is complete (raises if writing it failed, if asked to)."""
@@ -140,7 +148,8 @@ class Checkpointer:
             for key, obj in self.stateful.items():
                 obj.load_state_dict(snap[key])
         self._last_saved_step = entry.step
-        return Restored(url=self.store.url(entry.name), world_size=snap["world_size"])
+        strategy = snap.get("strategy", "fsdp" if entry.sharded else "ddp")
+        return Restored(url=self.store.url(entry.name), world_size=snap["world_size"], strategy=strategy)
 
     def _load_shards(self, snap: dict) -> None:
         """Collective. A sharded snapshot into the stateful objects: DCP fills what their `named_state_dict()` holds
@@ -148,7 +157,7 @@ class Checkpointer:
         templates = {key: obj.named_state_dict() for key, obj in self.stateful.items()
                      if hasattr(obj, "named_state_dict")}
         tensors, _ = sharded_lib.split_tensors(templates)
-        snap["shards"].load_into(tensors, self.ctx.group)
+        snap["shards"].load_into(tensors, self._snapshot_group())  # gloo: DCP exchanges its plans as objects
         for key, obj in self.stateful.items():
             if key in templates:
                 obj.load_state_dict(sharded_lib.merge(tensors.get(key, {}), snap.get(key, {})))

@@ -14,7 +14,12 @@
 #    which the validation loss first reaches nanoGPT's best tiny-shakespeare result, 1.4697 (TARGET=...).
 # 3. The NCCL code paths under torchrun (one process): StopVote's device all-reduce every step, the failure watch,
 #    the end together; SIGTERM after step 100 must stop it after the next step with a snapshot (run-nccl/).
-# Everything lands in OUT_DIR (bench.json, run/, snapshots/, run-nccl/, summary.json). BENCH_ARGS / TRAIN_ARGS
+# 4. strategy=fsdp on the GPU (FSDP2 over a group of one under torchrun, NCCL, bf16 parameters / fp32 reduction):
+#    bench.py of the step-1 model under ddp, fsdp and fsdp + activation_checkpointing=blocks, each with 2 sharded
+#    or single-file saves (bench-ddp.json, bench-fsdp.json, bench-fsdp-ac.json: state_bytes_per_rank, CUDA max
+#    allocated, save times); then 200 steps of the default model under fsdp with a sharded snapshot every 100,
+#    SIGKILLed after step 150 and run again: it must resume from its shards and finish (run-fsdp/).
+# Everything lands in OUT_DIR (bench*.json, run/, snapshots/, run-nccl/, run-fsdp/, summary.json). BENCH_ARGS / TRAIN_ARGS
 # add overrides, e.g. a tiny model to try the script on a CPU: BENCH_ARGS="gpt_config.n_layer=2 gpt_config.n_embd=64
 # gpt_config.n_head=2 trainer_config.compile=false trainer_config.mixed_precision=fp32 trainer_config.batch_size=4"
 # TRAIN_ARGS=...
@@ -24,7 +29,8 @@ OUT=${1:-gpu_check_out}
 PEAK_TFLOPS=${PEAK_TFLOPS:-}
 TARGET=${TARGET:-1.4697}
 PYTHON=${PYTHON:-python}
-RESULTS=("$OUT/bench.json" "$OUT/run" "$OUT/snapshots" "$OUT/run-nccl" "$OUT/summary.json")
+RESULTS=("$OUT/bench.json" "$OUT/run" "$OUT/snapshots" "$OUT/run-nccl" "$OUT/summary.json" "$OUT/bench-ddp.json"
+         "$OUT/bench-fsdp.json" "$OUT/bench-fsdp-ac.json" "$OUT/run-fsdp")
 for used in "${RESULTS[@]}"; do
     if [[ -e "$used" ]]; then
         if [[ "${FORCE:-0}" != 1 ]]; then
@@ -64,6 +70,34 @@ wait "$NCCL_JOB" || true
 grep -q "saved (stop requested" "$OUT/run-nccl/launch.log" && echo "NCCL run: stopped by SIGTERM with a snapshot" \
     || { echo "error: the NCCL run did not stop with a snapshot: see $OUT/run-nccl/launch.log" >&2; exit 1; }
 
+BIG="gpt_config.n_layer=12 gpt_config.n_head=12 gpt_config.n_embd=768 gpt_config.dropout=0.0 trainer_config.batch_size=64
+     trainer_config.mixed_precision=bf16"
+for variant in "ddp:trainer_config.strategy=ddp" "fsdp:trainer_config.strategy=fsdp" \
+               "fsdp-ac:trainer_config.strategy=fsdp trainer_config.activation_checkpointing=blocks"; do
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 bench.py --steps 20 --warmup 5 --snapshots 2 \
+        --json "$OUT/bench-${variant%%:*}.json" $BIG ${variant#*:} trainer_config.snapshot_path="$OUT/bench-snapshots-${variant%%:*}" \
+        ${BENCH_ARGS:-}
+done
+mkdir -p "$OUT/run-fsdp"
+FSDP_RUN=(-m torch.distributed.run --standalone --nproc_per_node=1 main.py trainer_config.strategy=fsdp
+          trainer_config.max_steps=200 trainer_config.save_every_steps=100 trainer_config.eval_every_steps=100
+          trainer_config.progress=lines trainer_config.log_every_steps=10
+          trainer_config.snapshot_path="$OUT/run-fsdp/snapshots" hydra.run.dir="$OUT/run-fsdp" ${TRAIN_ARGS:-})
+"$PYTHON" "${FSDP_RUN[@]}" > "$OUT/run-fsdp/first.log" 2>&1 &
+FSDP_JOB=$!
+for _ in $(seq 1200); do
+    grep -q "step 150/" "$OUT/run-fsdp/first.log" && break
+    kill -0 "$FSDP_JOB" 2>/dev/null || break
+    sleep 0.5
+done
+pkill -KILL -P "$FSDP_JOB" 2>/dev/null || true  # the worker, as the OOM killer would
+kill -KILL "$FSDP_JOB" 2>/dev/null || true
+wait "$FSDP_JOB" || true
+"$PYTHON" "${FSDP_RUN[@]}" > "$OUT/run-fsdp/second.log" 2>&1 \
+    || { echo "error: the FSDP rerun failed: see $OUT/run-fsdp/second.log" >&2; exit 1; }
+grep -q "resumed from .*snapshot-000000100.dcp" "$OUT/run-fsdp/second.log" && echo "FSDP run: resumed from its shards" \
+    || { echo "error: the FSDP rerun did not resume from its shards: see $OUT/run-fsdp/second.log" >&2; exit 1; }
+
 "$PYTHON" - "$OUT" "$TARGET" <<'PY'
 import json, sys
 out, target = sys.argv[1], float(sys.argv[2])
@@ -77,6 +111,10 @@ summary = {
     "target_val_loss": target, "best_val_loss": min(r["val_loss"] for r in val),
     "reached_at_step": hit and hit["step"], "reached_after_s": hit and hit["elapsed_s"],
 }
+for variant in ("ddp", "fsdp", "fsdp-ac"):
+    b = json.load(open(f"{out}/bench-{variant}.json"))
+    summary[variant] = {"step_ms": b["step_ms_median"], "state_bytes_per_rank": b["state_bytes_per_rank"]["total"],
+                        "peak_memory_bytes": b["peak_memory_bytes"], "save_s": b["snapshot"]["written_s_median"]}
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
 print(json.dumps(summary, indent=2))
 PY

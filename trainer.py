@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 from char_dataset import EPOCH_ORDER, LEGACY_ORDER, ResumableDistributedSampler, check_location
-from checkpoint import Cadence, Checkpointer
+from checkpoint import Cadence, Checkpointer, Restored
 from distributed import DistContext
 from errors import UsageError
 from parallel import (
@@ -363,6 +363,20 @@ def optimizer_for(model: nn.Module, optimizer: torch.optim.Optimizer | Callable[
     return optimizer(model) if callable(optimizer) else optimizer
 
 
+def log_resumed(trainer: Trainer, restored: Restored) -> None:
+    t = trainer
+    log.info("resumed from %s: step %d, epoch %d, sample %d of the epoch", restored.url, t.step, t.epoch,
+             t.epoch_samples)
+    if not t.ctx.is_main:  # one line for the job
+        return
+    if restored.world_size != t.ctx.world_size:
+        log.warning("snapshot was written by %d process(es), resuming with %d: continuing at global sample %d of "
+                    "epoch %d", restored.world_size, t.ctx.world_size, t.epoch_samples, t.epoch)
+    if restored.strategy != t.cfg.strategy:
+        log.info("snapshot was trained under strategy=%s: its weights and optimizer state continue under %s",
+                 restored.strategy, t.cfg.strategy)
+
+
 def log_plan(trainer: Trainer) -> None:
     """The line that says what this fit() is about to do."""
     t = trainer
@@ -507,11 +521,7 @@ class Trainer:
     def _restore(self) -> None:
         restored = self.checkpoints.restore()
         if restored is not None:
-            log.info("resumed from %s: step %d, epoch %d, sample %d of the epoch", restored.url, self.step,
-                     self.epoch, self.epoch_samples)
-            if restored.world_size != self.ctx.world_size and self.ctx.is_main:  # one line for the job
-                log.warning("snapshot was written by %d process(es), resuming with %d: continuing at global sample "
-                            "%d of epoch %d", restored.world_size, self.ctx.world_size, self.epoch_samples, self.epoch)
+            log_resumed(self, restored)
             self.window.restart_clock(self.step)  # speed counts this process's steps from here
         else:
             self.window.reset(self.step)

@@ -78,6 +78,13 @@ class WritesMarker:
         return (exec, (f"open({self.marker!r}, 'w').close()",))
 
 
+def broken_shards(snaps: Path) -> None:
+    """A folder of shards whose snapshot.json is not JSON."""
+    folder = snaps / "snapshot-000000011.dcp"
+    folder.mkdir()
+    write(folder, "snapshot.json", b"{")
+
+
 def different_vocabulary(d: Path) -> Path:
     """As much text as the fixture's data, with the same number of distinct characters but one of them other."""
     text = SHAKESPEARE[: int(len(SHAKESPEARE) * 0.05)]
@@ -159,6 +166,12 @@ CASES: dict[str, Case] = {
     "config: unknown attention implementation": Case(
         ["gpt_config.attention=flash"],
         r"gpt_config\.attention must be one of sdpa, matmul, got 'flash'"),
+    "config: unknown strategy": Case(
+        ["trainer_config.strategy=zero3"],
+        r"trainer_config\.strategy must be one of ddp, fsdp, got 'zero3'"),
+    "config: unknown activation checkpointing": Case(
+        ["trainer_config.activation_checkpointing=all"],
+        r"trainer_config\.activation_checkpointing must be one of none, blocks, got 'all'"),
     "config: zero keep_last": Case(
         ["trainer_config.keep_last=0"],
         r"trainer_config\.keep_last must be positive, got 0"),
@@ -285,6 +298,12 @@ CASES: dict[str, Case] = {
     "snapshot: other model shape": Case(
         ["gpt_config.n_embd=64"],
         r"is for a different model: n_embd=32 in the snapshot, 64 in the config"),
+    "snapshot: other model shape, resumed under fsdp": Case(
+        ["trainer_config.strategy=fsdp", "gpt_config.n_embd=64"],
+        r"is for a different model: n_embd=32 in the snapshot, 64 in the config"),
+    "snapshot: a damaged folder of shards (snapshot.py info)": Case(
+        ["{s}/snapshot-000000011.dcp"], prepare=lambda d, s: broken_shards(s),
+        error=r"snapshot-000000011\.dcp: damaged \(snapshot\.json is not JSON\)$", tool="info"),
     "snapshot: other vocabulary": Case(
         ["data_config.path={d}/other.txt", "data_config.truncate=1.0"], prepare=lambda d, s: different_vocabulary(d),
         error=r"has a different vocabulary \(65 characters, this data 59; only in the data: '\u00e9', "

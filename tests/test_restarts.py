@@ -1,7 +1,8 @@
 """Restarts that always come back: the documented command, `torchrun --standalone --nproc_per_node=2
---max-restarts=10 main.py ...`, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE, has a worker SIGKILLed 10 times in a
-row. With --max-restarts=10, a single restart that fails to reconnect (the failure setup_distributed in
-distributed.py guards against) would use up a restart and end the job at the 10th kill."""
+--max-restarts=6 main.py ...`, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE, has a worker SIGKILLed 6 times in a
+row. With --max-restarts=6, a single restart that fails to reconnect (the failure setup_distributed in
+distributed.py guards against) would use up a restart and end the job at the 6th kill. Before that guard, 9 of 12
+restarts failed on this machine kind: 6 in a row would pass by chance once in 4,000 runs."""
 
 import os
 import signal
@@ -11,10 +12,10 @@ from support import TINY, child_pids, cli, standalone, subprocess_env, wait_for
 
 from reporting import read_metrics
 
-KILLS = 10
+KILLS = 6
 
 
-def test_ten_sigkilled_workers_in_a_row_all_come_back(tmp_path):
+def test_six_sigkilled_workers_in_a_row_all_come_back(tmp_path):
     snaps, run_dir = tmp_path / "snaps", tmp_path / "run"
     args = [*TINY, "trainer_config.max_steps=100000", "trainer_config.log_every_steps=1",
             "trainer_config.save_every_steps=2", "trainer_config.eval_every_steps=100000",
