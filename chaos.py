@@ -439,6 +439,19 @@ def freeze_code(folder: Path) -> Path:
     return folder
 
 
+def run_references(workdir: Path, strategies: tuple[str, ...], nproc: int, steps: int, timeout: float, code: Path,
+                   log: Callable[[str], None]) -> dict[str, dict]:
+    """An uninterrupted run per strategy (their weights differ: another reduction order)."""
+    references = {}
+    for strategy in strategies:
+        overrides = (f"trainer_config.strategy={strategy}",)
+        reference = run_reference(workdir / f"reference-{strategy}", nproc, steps, timeout, code, overrides)
+        log(f"reference ({strategy}): {steps} steps in {reference['seconds']} s (start-up "
+            f"{reference['startup_s']} s), sha256 {reference['sha256'][:16]}")
+        references[strategy] = reference
+    return references
+
+
 def run_chaos(trials: int, seed: int = 0, nproc: int = 2, workdir: Optional[Path] = None, steps: int = 45,
               kills: int = 2, timeout: float = 300, log: Callable[[str], None] = print,
               strategies: tuple[str, ...] = ("ddp",)) -> dict:
@@ -449,13 +462,7 @@ def run_chaos(trials: int, seed: int = 0, nproc: int = 2, workdir: Optional[Path
     rng = random.Random(seed)
     started = time.monotonic()
     code = freeze_code(workdir / "code")
-    references = {}
-    for strategy in strategies:
-        overrides = (f"trainer_config.strategy={strategy}",)
-        references[strategy] = run_reference(workdir / f"reference-{strategy}", nproc, steps, timeout, code, overrides)
-        reference = references[strategy]
-        log(f"reference ({strategy}): {steps} steps in {reference['seconds']} s (start-up "
-            f"{reference['startup_s']} s), sha256 {reference['sha256'][:16]}")
+    references = run_references(workdir, strategies, nproc, steps, timeout, code, log)
     # Moments in shuffled rounds of all four: any 4 consecutive kills cover every moment.
     targets: list[str] = []
     while len(targets) < trials * kills:

@@ -109,7 +109,7 @@ def report_results(trainer: Trainer, model: GPT, corpus: CharCorpus, run_dir: Pa
         log.info("loss plot: %s", write_loss_plot(run_dir))
     except ImportError:
         log.info("loss plot skipped: matplotlib is not installed")
-    generator = torch.Generator(device=trainer.ctx.device).manual_seed(trainer.cfg.seed)
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(trainer.cfg.seed)
     model.eval()
     text = generate_text(model, corpus.vocab, "\n", 200, 0.8, 40, generator)
     model.train()

@@ -164,6 +164,24 @@ def prime_ddp_buckets(model: nn.Module, optimizer: torch.optim.Optimizer, batch:
     optimizer.zero_grad(set_to_none=True)
 
 
+def sharded_gradient_scaler(device: torch.device, group: Optional[dist.ProcessGroup]) -> torch.amp.GradScaler:
+    """fp16 under FSDP: each rank sees only its shards' gradients, so an overflow is agreed across ranks (torch's
+    ShardedGradScaler all-reduces it)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    class AgreedOverflowScaler(ShardedGradScaler):
+        """ShardedGradScaler hands fused AdamW a (1,)-shaped overflow flag summed over ranks; the fused step wants
+        GradScaler's ()-shaped 0/1 (it subtracts the flag from its step counts: torch/optim/adam.py, _fused_adam)."""
+
+        def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+            super().unscale_(optimizer)
+            state = self._per_optimizer_states[id(optimizer)]
+            state["found_inf_per_device"] = {where: flag.clamp(max=1.0).reshape(())
+                                             for where, flag in state["found_inf_per_device"].items()}
+
+    return AgreedOverflowScaler(device.type, enabled=True, process_group=group)
+
+
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip to a global norm; under FSDP the norm is over all ranks' shards (a collective). Returns the norm before
     clipping as a plain tensor."""
@@ -283,16 +301,19 @@ def full_weights_sha256(model: nn.Module) -> str:
 
 
 def full_model_copy(model: nn.Module, build: Callable[[], nn.Module], ctx: DistContext) -> Optional[nn.Module]:
-    """Collective under FSDP. An unsharded copy of the model on global rank 0 (None on the others), for what one
-    process does alone (generating a sample). Without sharding, the model itself."""
+    """Collective under FSDP. An unsharded copy of the model on global rank 0's CPU (None on the others), for what
+    one process does alone (generating a sample). Without sharding, the model itself."""
     if not is_sharded_model(model):
         return model
-    state = {name: tensor.cpu() for name, tensor in full_tensors(model.state_dict())}
+    state = {}
+    for name, tensor in full_tensors(model.state_dict()):
+        if ctx.is_main:  # the others take part in the gathers and keep nothing
+            state[name] = tensor.cpu()
     if not ctx.is_main:
         return None
     copy = build()
     copy.load_state_dict(state)
-    return copy.to(ctx.device)
+    return copy  # on the CPU: a model sharded for want of GPU memory would not fit there whole
 
 
 def group_of_one(ctx: DistContext) -> DistContext:

@@ -37,6 +37,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -241,9 +242,12 @@ class Shards:
         """Collective over `group` (None: this process alone). Fill `tensors` (a nest of the names saved, holding
         full tensors or this rank's DTensor shards) from the snapshot; each rank reads what its shards need."""
         reader = _ShardReader(self.path, self.files, self.index)
-        with warnings.catch_warnings():  # alone, DCP warns that it assumes so
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(tensors, storage_reader=reader, process_group=group, no_dist=group is None)
+        try:
+            with warnings.catch_warnings():  # alone, DCP warns that it assumes so
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.load(tensors, storage_reader=reader, process_group=group, no_dist=group is None)
+        except (Exception, CheckpointException) as e:  # verified files that do not fit: not another try's to fix
+            raise UsageError(f"cannot load snapshot {self.source}: {_dcp_error(e)}") from None
 
     def names(self) -> list[str]:
         """The flattened names of the tensors saved (model.<param>, optimizer.state.<param>.<name>)."""
@@ -353,6 +357,13 @@ class ShardedWriter:
         self._thread.start()
 
     def _write(self, name: str, state: dict, metadata: dict, world_size: int, reason: str) -> None:
+        try:
+            self._save(name, state, metadata, world_size, reason)
+        except BaseException as e:  # a collective that failed (a peer gone), a bug: never a silent end of the thread
+            self._error = f"snapshot {self.store.url(name)} not saved: {_dcp_error(e)}"
+            log.warning(self._error)
+
+    def _save(self, name: str, state: dict, metadata: dict, world_size: int, reason: str) -> None:
         start = time.perf_counter()
         url = self.store.url(name)
         tensors, plain = split_tensors(state)
@@ -377,11 +388,11 @@ class ShardedWriter:
             time.sleep(delay)  # every rank: the next attempt is collective
         self._error, self.newest_saved = None, name
         if self.rank == 0:
-            log.info("snapshot %s saved (%s, %d shards, %.2f s in the background)%s", url, reason, world_size,
-                     time.perf_counter() - start, self._prune())
+            log.info("snapshot %s saved (%s, shards of %d rank(s), %.2f s in the background)%s", url, reason,
+                     world_size, time.perf_counter() - start, self._prune())
 
     def _attempt(self, name: str, tensors: dict, doc: dict) -> Optional[_Failure]:
-        """Collective. One try at a save; the same outcome on every rank."""
+        """Collective. One try at a save; the same outcome on every rank. A failed try leaves nothing behind."""
         target = self._broadcast(self._guarded(lambda: self.store.begin_sharded(name))
                                  if self.rank == 0 else None)
         if isinstance(target, _Failure):
@@ -390,16 +401,21 @@ class ShardedWriter:
         try:
             dcp.save(tensors, storage_writer=_ShardWriter(target, files), process_group=self.group,
                      no_dist=self.group is None)
-        except Exception as e:  # DCP raises on every rank when any rank failed
-            return _Failure(_dcp_error(e), is_permanent(e))
-        digests = self._gather(files.digests)
-        outcome = None
-        if self.rank == 0:
-            committed = {**doc, "files": digests}
-            committed["meta_sha256"] = doc_sha256(committed)
-            outcome = self._guarded(lambda: self.store.commit_sharded(name, target, committed))
-        outcome = self._broadcast(outcome)
-        return outcome if isinstance(outcome, _Failure) else None
+        except (Exception, CheckpointException) as e:  # DCP raises on every rank when any rank failed
+            outcome: Any = _Failure(_dcp_error(e), is_permanent(_first_cause(e)))
+        else:
+            digests = self._gather(files.digests)
+            outcome = None
+            if self.rank == 0:
+                committed = {**doc, "files": digests}
+                committed["meta_sha256"] = doc_sha256(committed)
+                outcome = self._guarded(lambda: self.store.commit_sharded(name, target, committed))
+            outcome = self._broadcast(outcome)
+        if isinstance(outcome, _Failure):
+            if self.rank == 0:
+                self.store.discard_sharded(target)
+            return outcome
+        return None
 
     @staticmethod
     def _guarded(action: Any) -> Any:
@@ -442,13 +458,23 @@ class ShardedWriter:
             raise UsageError(error)
 
 
-def _dcp_error(error: BaseException) -> str:
-    """DCP's CheckpointException lists every rank's traceback; the first rank's error says it."""
+def _first_cause(error: BaseException) -> BaseException:
+    """The error behind DCP's CheckpointException (a BaseException that wraps every failing rank's error and
+    traceback): the first failing rank's own."""
     failures = getattr(error, "failures", None)
     if isinstance(failures, dict) and failures:
-        rank, cause = sorted(failures.items())[0]
+        cause = sorted(failures.items())[0][1]
         cause = cause[0] if isinstance(cause, tuple) else cause
-        return f"rank {rank}: {describe(cause) if isinstance(cause, BaseException) else cause}"
+        if isinstance(cause, BaseException):
+            return cause
+    return error
+
+
+def _dcp_error(error: BaseException) -> str:
+    """One line for a failed save or load: DCP's own message lists every rank's traceback."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return f"rank {sorted(failures)[0]}: {describe(_first_cause(error))}"
     return describe(error)
 
 

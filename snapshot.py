@@ -40,7 +40,6 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.tensor import DTensor
 
 import sharded as sharded_lib
 from char_dataset import check_location, resolve_path
@@ -411,6 +410,17 @@ class SnapshotStore:
             self.fs.rm(path, recursive=True)
         return path
 
+    def discard_sharded(self, written: str) -> None:
+        """What a failed sharded save wrote (`begin_sharded`'s folder), removed; a failure here is left to prune."""
+        try:
+            if self.is_local:
+                shutil.rmtree(written, ignore_errors=True)
+            elif self.fs.exists(written):
+                self.fs.rm(written, recursive=True)
+        except Exception as e:
+            log.info("the shards of a failed save in %s are left for the next save to remove: %s", written,
+                     describe(e))
+
     def commit_sharded(self, name: str, written: str, doc: dict) -> None:
         """Make a sharded snapshot whose shards are all `written` visible: its snapshot.json goes last."""
         if self.is_local:
@@ -625,12 +635,9 @@ class BackgroundWriter:
 
 def cpu_copy(obj: Any) -> Any:
     """A private CPU copy of every tensor in a nest of dicts/lists (other values are kept as they are). A DTensor
-    (a shard) stays a DTensor of the same layout, its local part copied: what DCP saves."""
-    if isinstance(obj, DTensor):
-        local = obj.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
-                                  stride=obj.stride())
-    if isinstance(obj, torch.Tensor):
+    (a shard) stays a DTensor of the same layout: what DCP saves."""
+    if isinstance(obj, torch.Tensor):  # a DTensor keeps its layout, its local part copied to the CPU (as torch's
+        # own checkpoint staging does, torch/distributed/_state_dict_utils.py): DTensor.from_local would move it back
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {key: cpu_copy(value) for key, value in obj.items()}
@@ -676,6 +683,8 @@ def read_snapshot(path_or_url: str, storage_options: Optional[dict] = None) -> d
     try:
         store = SnapshotStore(location or "/", storage_options)
         sharded = name.endswith(sharded_lib.SUFFIX) or store.fs.isdir(store._path(name))
+        if sharded and not name.endswith(sharded_lib.SUFFIX) and SnapshotStore(url, storage_options).entries():
+            raise UsageError(f"{url} is a folder of snapshots, not one snapshot (snapshot.py list {url} shows them)")
         if sharded:
             return sharded_lib.read(store.fs, store.is_local, store._path(name), url)
         data = store.read(name)
@@ -703,8 +712,16 @@ def consolidate(source: str, target: str) -> str:
     if not name.endswith(".pt"):
         location, name = resolve_path(target).rstrip("/"), snapshot_name(snapshot["progress"]["step"])
     store = SnapshotStore(location or "/")
-    store.write(name, to_bytes(snapshot))
+    _write_output(store, name, to_bytes(snapshot))
     return store.url(name)
+
+
+def _write_output(store: SnapshotStore, name: str, data: bytes) -> None:
+    """A tool's output file; a location it cannot be written to is one line."""
+    try:
+        store.write(name, data)
+    except Exception as e:  # a file where a folder should be, no permission, a full disk, ...
+        raise UsageError(f"cannot write {store.url(name)}: {describe(e)}") from None
 
 
 def export(source: str, target: str) -> str:
@@ -724,8 +741,8 @@ def export(source: str, target: str) -> str:
               "val_loss": snapshot["progress"].get("val_loss"), "weights_sha256": weights_sha256(model),
               "source": resolve_path(source)}
     store = SnapshotStore(resolve_path(target))
-    store.write("model.safetensors", safetensors_bytes(stored, metadata={"format": "pt"}))
-    store.write("config.json", json.dumps(config, indent=1).encode())
+    _write_output(store, "model.safetensors", safetensors_bytes(stored, metadata={"format": "pt"}))
+    _write_output(store, "config.json", json.dumps(config, indent=1).encode())
     return store.location
 
 

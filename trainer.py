@@ -42,6 +42,7 @@ from parallel import (
     full_weights_sha256,
     group_of_one,
     prime_ddp_buckets,
+    sharded_gradient_scaler,
     wrap_model,
 )
 from reporting import PROGRESS_MODES, MetricsLog, Progress, report_end
@@ -270,9 +271,7 @@ def gradient_scaler(amp_dtype: torch.dtype, strategy: str, ctx: DistContext) -> 
     FSDP each rank sees only its shards' gradients: the sharded scaler agrees on an overflow across ranks."""
     enabled = amp_dtype == torch.float16
     if strategy == "fsdp" and enabled:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(ctx.device.type, enabled=True, process_group=ctx.group)
+        return sharded_gradient_scaler(ctx.device, ctx.group)
     return torch.amp.GradScaler(ctx.device.type, enabled=enabled)
 
 

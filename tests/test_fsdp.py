@@ -5,7 +5,9 @@ the snapshot tools (consolidate, export), activation checkpointing. Several proc
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -297,6 +299,11 @@ def test_snapshot_cli_lists_consolidates_and_exports(tmp_path):
     assert sorted(os.listdir(tmp_path / "export")) == ["config.json", "model.safetensors"]
     missing = run("info", str(tmp_path / "s" / "snapshot-000000099.dcp"))
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no such snapshot" in missing.stderr
+    folder = run("info", str(tmp_path / "s"))
+    assert folder.returncode == 2 and folder.stderr.count("\n") == 1 and "is a folder of snapshots" in folder.stderr
+    unwritable = run("consolidate", str(tmp_path / "one.pt"), str(tmp_path / "one.pt" / "two.pt"))
+    assert unwritable.returncode == 2 and unwritable.stderr.count("\n") == 1, unwritable.stderr
+    assert "cannot write" in unwritable.stderr
 
 
 def test_optimizer_state_numbering_round_trips():
@@ -391,3 +398,63 @@ def test_sharded_snapshots_on_s3(s3):
     assert resumed.trained_steps == 4
     assert "run/snapshot-000000012.dcp/snapshot.json" in keys()  # the step was saved again, completely
     assert not any(key.startswith("run/snapshot-000000004.dcp/") for key in keys())  # keep_last=2
+
+
+# ------------------------------------------------------------------------------------------- failing saves, fp16
+def fail_shard_writes(monkeypatch, times: int, error: OSError) -> list[int]:
+    """The first `times` shard files written raise `error` (every one if times < 0)."""
+    calls = [0]
+    real = sharded.StoreFiles.create_stream
+
+    def create_stream(self, path, mode):
+        if "w" in mode and str(path).endswith(".distcp"):
+            calls[0] += 1
+            if times < 0 or calls[0] <= times:
+                raise error
+        return real(self, path, mode)
+
+    monkeypatch.setattr(sharded.StoreFiles, "create_stream", create_stream)
+    return calls
+
+
+def hidden(folder) -> list[str]:
+    return [name for name in os.listdir(folder) if name.startswith(".")]
+
+
+def test_a_failing_sharded_save_is_retried_and_leaves_nothing_behind(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(snap, "SAVE_FIRST_BACKOFF_S", 0.01)
+    caplog.set_level(logging.INFO, logger="sharded")
+    calls = fail_shard_writes(monkeypatch, 2, OSError(errno.EIO, "I/O error"))
+    make_trainer(tmp_path, max_steps=4).fit()
+    assert calls[0] == 3 and "attempt 2 of 4 failed (rank 0: OSError: [Errno 5] I/O error)" in caplog.text
+    assert os.listdir(tmp_path) == ["snapshot-000000004.dcp"] and hidden(tmp_path) == []
+    assert snap.SnapshotStore(str(tmp_path)).load_newest_valid()[0].step == 4
+
+
+def test_a_sharded_save_that_cannot_succeed_is_one_line_and_keeps_the_previous(tmp_path, monkeypatch):
+    make_trainer(tmp_path, max_steps=4).fit()
+    before = sorted(os.listdir(tmp_path))
+    calls = fail_shard_writes(monkeypatch, -1, PermissionError(errno.EACCES, "Permission denied"))
+    again = reopen(lambda: make_trainer(tmp_path, max_steps=6))
+    with pytest.raises(UsageError, match=r"snapshot-000000006\.dcp not saved \(1 attempt\(s\).*PermissionError"):
+        again.fit()  # the final save must succeed; a permission error is not tried again
+    assert calls[0] == 1 and sorted(os.listdir(tmp_path)) == before and hidden(tmp_path) == []
+
+
+def test_fp16_under_fsdp_agrees_on_overflow_and_skips_the_step():
+    trainer = make_trainer(mixed_precision="fp16", max_steps=3, dropout=0.0)
+    trainer.fit()  # fused AdamW with the sharded scaler
+    assert trainer.scaler.is_enabled() and trainer.last_val_loss < 10
+    x, y = trainer.split(trainer.val_loader.dataset.dataset.windows(list(range(4))))
+    with trainer.autocast():
+        loss = trainer.model(x, y)[1]
+    trainer.scaler.scale(loss).backward()
+    param = next(trainer.raw_model.parameters())
+    param.grad.to_local()[0] = float("inf")
+    before = full_weights(trainer)
+    steps = [state["step"].clone() for state in trainer.optimizer.state.values()]
+    trainer.scaler.unscale_(trainer.optimizer)
+    trainer.scaler.step(trainer.optimizer)
+    trainer.scaler.update()
+    assert_same_weights(full_weights(trainer), before)  # skipped
+    assert [state["step"] for state in trainer.optimizer.state.values()] == steps
