@@ -72,13 +72,13 @@ class TrainerConfig:
     mixed_precision: str = "auto"
     """auto | bf16 | fp16 | fp32 (auto: bf16 on recent GPUs, fp16 on older ones, fp32 on CPU)"""
     strategy: str = "ddp"
-    """ddp | fsdp: a full replica per process, or each process holding 1/N of the weights, gradients and optimizer
+    """ddp | fsdp: every process holds the whole model, or 1/N of its weights, gradients and optimizer state
 
     fsdp is torch's FSDP2 (fully_shard per transformer block and the root); its snapshots are folders of shards
     (torch.distributed.checkpoint) that resume at any number of processes. Either strategy resumes the other's
     snapshots."""
     activation_checkpointing: str = "none"
-    """none | blocks: recompute each transformer block's activations in the backward pass (less memory, more time)"""
+    """none | blocks: recompute each block's activations in the backward pass (less memory, more time)"""
     compile: bool = False
     """torch.compile the model
 

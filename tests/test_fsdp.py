@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import pickle
+import signal
 import subprocess
 
 import pytest
@@ -458,3 +459,21 @@ def test_fp16_under_fsdp_agrees_on_overflow_and_skips_the_step():
     trainer.scaler.update()
     assert_same_weights(full_weights(trainer), before)  # skipped
     assert [state["step"] for state in trainer.optimizer.state.values()] == steps
+
+
+def test_sigterm_under_fsdp_stops_after_the_next_step_with_a_sharded_snapshot(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=10_000, save_every=1000)
+    take_step = trainer.train_step
+
+    def step_then_sigterm() -> None:
+        take_step()
+        if trainer.step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)  # what torchrun, SLURM and cloud schedulers send
+
+    trainer.train_step = step_then_sigterm
+    trainer.fit()
+    assert trainer.stopped_early and 6 <= trainer.step <= 7  # the stop flags are agreed during the next step
+    assert os.listdir(tmp_path) == [f"snapshot-{trainer.step:09d}.dcp"]
+    resumed = reopen(lambda: make_trainer(tmp_path, max_steps=trainer.step + 2, save_every=1000))
+    resumed.fit()
+    assert resumed.trained_steps == 2
