@@ -456,7 +456,7 @@ def run_chaos(trials: int, seed: int = 0, nproc: int = 2, workdir: Optional[Path
               kills: int = 2, timeout: float = 300, log: Callable[[str], None] = print,
               strategies: tuple[str, ...] = ("ddp",)) -> dict:
     """A reference run per strategy and `trials` chaos trials; returns the results (see main() for the table).
-    Trials take the strategies in turn, each for a pair of trials (both kinds of restart)."""
+    Trials take the strategies in turn; the kind of restart changes after each round of them."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -469,8 +469,8 @@ def run_chaos(trials: int, seed: int = 0, nproc: int = 2, workdir: Optional[Path
         targets += rng.sample(MOMENTS, len(MOMENTS))
     results = []
     for i in range(trials):
-        restart = RESTARTS[i % len(RESTARTS)]
-        strategy = strategies[i // len(RESTARTS) % len(strategies)]
+        strategy = strategies[i % len(strategies)]
+        restart = RESTARTS[i // len(strategies) % len(RESTARTS)]  # every (strategy, restart) in len x 2 trials
         reference = references[strategy]
         folder, trial_rng = workdir / f"trial-{i + 1:03d}", random.Random(rng.getrandbits(64))
         trial = run_trial(i + 1, folder, restart, targets[i * kills : (i + 1) * kills], trial_rng, nproc, steps,
@@ -536,7 +536,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds one attempt may take (default 300)")
     parser.add_argument("--strategy", choices=("ddp", "fsdp", "both"), default="ddp",
                         help="trainer_config.strategy of the job (default ddp; fsdp saves folders of shards; both: "
-                             "pairs of trials in turn, each against its own reference)")
+                             "trials alternate, each against its strategy's own reference)")
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))
     try:

@@ -1,7 +1,8 @@
 """The chaos harness (chaos.py): a 2-process torchrun job SIGKILLed at random moments (start-up, a step, an
 evaluation, a snapshot being written), restarted by torchrun --max-restarts or by rerunning the command, must end
-bit-for-bit equal to an uninterrupted run. CI runs 3 trials (6 kills, every moment; two under ddp, one under fsdp,
-each strategy against its own uninterrupted run); the large run is opt-in:
+bit-for-bit equal to an uninterrupted run. CI runs 2 trials (4 kills, every moment aimed at once; one under ddp,
+one under fsdp, each against its strategy's own uninterrupted run; restarts by rerunning the command are
+tests/test_lifecycle.py's and the resumes of tests/test_fsdp_ranks.py); the large run is opt-in:
 
     CHAOS_TRIALS=20 pytest -m chaos tests/test_chaos.py    (skipped without CHAOS_TRIALS)
 """
@@ -21,15 +22,14 @@ def _check(result: dict) -> None:
 
 
 def test_chaos_ci(tmp_path):
-    result = chaos.run_chaos(trials=3, seed=0, nproc=2, workdir=tmp_path, kills=2, timeout=300,
+    result = chaos.run_chaos(trials=2, seed=0, nproc=2, workdir=tmp_path, kills=2, timeout=300,
                              strategies=("ddp", "fsdp"))
     print(chaos.table(result))
     _check(result)
     kills = [k for t in result["trials"] for k in t["kills"]]
-    assert [(t["strategy"], t["restart"]) for t in result["trials"]] == [
-        ("ddp", "torchrun"), ("ddp", "rerun"), ("fsdp", "torchrun")]
+    assert [(t["strategy"], t["restart"]) for t in result["trials"]] == [("ddp", "torchrun"), ("fsdp", "torchrun")]
     assert {k["target"] for k in kills} == set(chaos.MOMENTS)  # every moment aimed at
-    assert sum(k["hit"] != "missed" for k in kills) >= 5, kills
+    assert sum(k["hit"] != "missed" for k in kills) >= 3, kills
 
 
 @pytest.mark.chaos

@@ -11,12 +11,10 @@ import logging
 import os
 import pickle
 import signal
-import subprocess
 
 import pytest
 import torch
 import torch.distributed as dist
-from support import assert_ok, cli
 
 import sharded
 import snapshot as snap
@@ -284,27 +282,28 @@ def test_consolidate_export_info_and_sample_read_sharded_snapshots(tmp_path):
     assert_same_weights(model.state_dict(), weights)
 
 
-def test_snapshot_cli_lists_consolidates_and_exports(tmp_path):
+def test_snapshot_cli_lists_consolidates_and_exports(tmp_path, capsys):
+    """snapshot.py's commands in this process (tests/test_snapshot.py runs the CLI as a process)."""
     make_trainer(tmp_path / "s", max_steps=6).fit()
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(cli(list(args), script="snapshot.py"), capture_output=True, text=True)
+    def run(*args: str) -> tuple[int, str, str]:
+        code = snap.cli(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
 
-    listing = run("list", str(tmp_path / "s"))
-    assert_ok(listing)
-    row = json.loads(listing.stdout.splitlines()[0])
-    assert row["format"] == "sharded" and row["name"] == "snapshot-000000006.dcp" and row["bytes"] > 1000
-    assert_ok(run("consolidate", str(tmp_path / "s" / row["name"]), str(tmp_path / "one.pt")))
+    code, out, _ = run("list", str(tmp_path / "s"))
+    row = json.loads(out.splitlines()[0])
+    assert code == 0 and row["format"] == "sharded" and row["name"] == "snapshot-000000006.dcp" and row["bytes"] > 1000
+    assert run("consolidate", str(tmp_path / "s" / row["name"]), str(tmp_path / "one.pt"))[0] == 0
     assert snap.read_snapshot(str(tmp_path / "one.pt"))["progress"]["step"] == 6
-    assert_ok(run("export", str(tmp_path / "one.pt"), str(tmp_path / "export")))  # a single file exports too
+    assert run("export", str(tmp_path / "one.pt"), str(tmp_path / "export"))[0] == 0  # a single file exports too
     assert sorted(os.listdir(tmp_path / "export")) == ["config.json", "model.safetensors"]
-    missing = run("info", str(tmp_path / "s" / "snapshot-000000099.dcp"))
-    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no such snapshot" in missing.stderr
-    folder = run("info", str(tmp_path / "s"))
-    assert folder.returncode == 2 and folder.stderr.count("\n") == 1 and "is a folder of snapshots" in folder.stderr
-    unwritable = run("consolidate", str(tmp_path / "one.pt"), str(tmp_path / "one.pt" / "two.pt"))
-    assert unwritable.returncode == 2 and unwritable.stderr.count("\n") == 1, unwritable.stderr
-    assert "cannot write" in unwritable.stderr
+    for args, message in [(("info", str(tmp_path / "s" / "snapshot-000000099.dcp")), "no such snapshot"),
+                          (("info", str(tmp_path / "s")), "is a folder of snapshots"),
+                          (("consolidate", str(tmp_path / "one.pt"), str(tmp_path / "one.pt" / "two.pt")),
+                           "cannot write")]:
+        code, _, err = run(*args)
+        assert code == 2 and err.count("\n") == 1 and message in err, (args, err)
 
 
 def test_optimizer_state_numbering_round_trips():

@@ -41,12 +41,13 @@ def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
     """On a cached corpus of several files: the first run builds the cache, the killed one and its restart read
     it; the weights and every logged value are those of the run that was not interrupted."""
     data = several_files(tmp_path)
-    straight = run_cli([*resume_args(tmp_path / "snaps_a", tmp_path / "run_a"), *data], tmp_path, nproc=2)
+    straight = run_cli([*resume_args(tmp_path / "snaps_a", tmp_path / "run_a", max_steps=100), *data], tmp_path,
+                       nproc=2)
     assert_ok(straight)
     assert "data: encoding" in straight.stdout and "of 4 files of" in straight.stdout
 
-    job = start_cli([*resume_args(tmp_path / "snaps_b", tmp_path / "run_b"), *data], tmp_path, nproc=2,
-                    max_restarts=1)
+    job = start_cli([*resume_args(tmp_path / "snaps_b", tmp_path / "run_b", max_steps=100), *data], tmp_path,
+                    nproc=2, max_restarts=1)
     wait_for(lambda: logged_step(tmp_path / "run_b") >= 35, timeout=120, what="step 35")
     workers = child_pids(job.pid)
     assert len(workers) == 2
@@ -68,7 +69,7 @@ def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
                 assert row[key] == a[row["step"]], (key, row)
         assert b.keys() == a.keys()
     # keep_last=2: only the two newest snapshots remain
-    assert [e.step for e in snap.SnapshotStore(str(tmp_path / "snaps_b")).entries()] == [150, 140]
+    assert [e.step for e in snap.SnapshotStore(str(tmp_path / "snaps_b")).entries()] == [100, 90]
 
 
 def test_world_size_change_keeps_the_global_sample_position(tmp_path):
