@@ -104,8 +104,10 @@ class Checkpointer:
         """Collective when sharded (every rank saves at the same step): the snapshot threads' own group."""
         if not self.sharded:
             return snapshot_lib.BackgroundWriter(self.store, self.cadence.keep_last)
-        return sharded_lib.ShardedWriter(self.store, self.cadence.keep_last, self.ctx.rank, self._snapshot_group(),
-                                         snapshot_lib.SAVE_ATTEMPTS, snapshot_lib.SAVE_FIRST_BACKOFF_S)
+        keep_last = self.cadence.keep_last
+        return sharded_lib.ShardedWriter(self.store, self.ctx.rank, self._snapshot_group(),
+                                         snapshot_lib.SAVE_ATTEMPTS, snapshot_lib.SAVE_FIRST_BACKOFF_S,
+                                         lambda: snapshot_lib.prune_quietly(self.store, keep_last))
 
     def _snapshot_group(self) -> Any:
         """Collective the first time (every rank saves or loads shards at the same point)."""

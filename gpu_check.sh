@@ -54,17 +54,22 @@ mkdir -p "$OUT"
 "$PYTHON" main.py trainer_config.max_steps=5000 trainer_config.eval_every_steps=250 trainer_config.progress=lines \
     trainer_config.snapshot_path="$OUT/snapshots" hydra.run.dir="$OUT/run" ${TRAIN_ARGS:-}
 
+# wait_for_line PATTERN LOG PID TRIES: until LOG has PATTERN, PID has ended, or TRIES x 0.5 s have passed
+wait_for_line() {
+    for _ in $(seq "$4"); do
+        grep -q "$1" "$2" && return
+        kill -0 "$3" 2>/dev/null || return
+        sleep 0.5
+    done
+}
+
 mkdir -p "$OUT/run-nccl"
 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 main.py ${TRAIN_ARGS:-} trainer_config.max_steps=100000 \
     trainer_config.progress=lines trainer_config.log_every_steps=10 trainer_config.eval_every_steps=0 \
     trainer_config.snapshot_path="$OUT/run-nccl/snapshots" hydra.run.dir="$OUT/run-nccl" \
     > "$OUT/run-nccl/launch.log" 2>&1 &
 NCCL_JOB=$!
-for _ in $(seq 600); do
-    grep -q "step 100/" "$OUT/run-nccl/launch.log" && break
-    kill -0 "$NCCL_JOB" 2>/dev/null || break
-    sleep 0.5
-done
+wait_for_line "step 100/" "$OUT/run-nccl/launch.log" "$NCCL_JOB" 600
 kill -TERM "$NCCL_JOB" 2>/dev/null || true
 wait "$NCCL_JOB" || true
 grep -q "saved (stop requested" "$OUT/run-nccl/launch.log" && echo "NCCL run: stopped by SIGTERM with a snapshot" \
@@ -85,11 +90,7 @@ FSDP_RUN=(-m torch.distributed.run --standalone --nproc_per_node=1 main.py train
           trainer_config.snapshot_path="$OUT/run-fsdp/snapshots" hydra.run.dir="$OUT/run-fsdp" ${TRAIN_ARGS:-})
 "$PYTHON" "${FSDP_RUN[@]}" > "$OUT/run-fsdp/first.log" 2>&1 &
 FSDP_JOB=$!
-for _ in $(seq 1200); do
-    grep -q "step 150/" "$OUT/run-fsdp/first.log" && break
-    kill -0 "$FSDP_JOB" 2>/dev/null || break
-    sleep 0.5
-done
+wait_for_line "step 150/" "$OUT/run-fsdp/first.log" "$FSDP_JOB" 1200
 pkill -KILL -P "$FSDP_JOB" 2>/dev/null || true  # the worker, as the OOM killer would
 kill -KILL "$FSDP_JOB" 2>/dev/null || true
 wait "$FSDP_JOB" || true

@@ -341,9 +341,10 @@ class ShardedWriter:
     ranks (DCP raises on every rank if one failed; rank 0 broadcasts its parts), so the ranks retry, give up or
     commit together and never wait in different collectives."""
 
-    def __init__(self, store: Any, keep_last: int, rank: int, group: Optional[dist.ProcessGroup], attempts: int,
-                 first_backoff_s: float) -> None:
-        self.store, self.keep_last, self.rank, self.group = store, keep_last, rank, group
+    def __init__(self, store: Any, rank: int, group: Optional[dist.ProcessGroup], attempts: int,
+                 first_backoff_s: float, prune: Any) -> None:
+        self.store, self.rank, self.group = store, rank, group
+        self.prune = prune  # snapshot.prune_quietly for this store: () -> what to add to the "saved" line
         self.attempts, self.first_backoff_s = attempts, first_backoff_s
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[str] = None
@@ -389,7 +390,7 @@ class ShardedWriter:
         self._error, self.newest_saved = None, name
         if self.rank == 0:
             log.info("snapshot %s saved (%s, shards of %d rank(s), %.2f s in the background)%s", url, reason,
-                     world_size, time.perf_counter() - start, self._prune())
+                     world_size, time.perf_counter() - start, self.prune())
 
     def _attempt(self, name: str, tensors: dict, doc: dict) -> Optional[_Failure]:
         """Collective. One try at a save; the same outcome on every rank. A failed try leaves nothing behind."""
@@ -438,14 +439,6 @@ class ShardedWriter:
         dist.all_gather_object(everyone, digests, group=self.group)
         return {name: info for part in everyone for name, info in part.items()}
 
-    def _prune(self) -> str:
-        try:
-            removed = self.store.prune(self.keep_last)
-        except Exception as e:
-            log.warning("old snapshots in %s not removed: %s", self.store.location, describe(e))
-            return ""
-        return f"; removed {', '.join(removed)}" if removed else ""
-
     def wait(self, raise_error: bool = True, timeout: Optional[float] = None) -> None:
         """Block until this rank's part of the current save is done (at most `timeout` s: a save cannot complete
         once a peer is gone); with raise_error, a failed save becomes a UsageError."""
@@ -487,16 +480,17 @@ def commit_local(root: str, temporary: str, final: str, doc: dict) -> None:
         json.dump(doc, f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_folder(temporary)
+    fsync_folder(temporary)
     if os.path.exists(final):
         aside = f"{temporary}.old"
         os.replace(final, aside)
         shutil.rmtree(aside, ignore_errors=True)
     os.replace(temporary, final)
-    _fsync_folder(root)
+    fsync_folder(root)
 
 
-def _fsync_folder(path: str) -> None:
+def fsync_folder(path: str) -> None:
+    """Make the entries of a folder (a rename into it) durable."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)

@@ -477,11 +477,18 @@ def write_local_atomically(path: str, data: bytes) -> None:
         if os.path.exists(temporary):
             os.remove(temporary)
         raise
-    directory = os.open(folder, os.O_RDONLY)
+    sharded_lib.fsync_folder(folder)  # make the rename itself durable
+
+
+def prune_quietly(store: SnapshotStore, keep_last: int) -> str:
+    """Remove old snapshots once a new one is complete; a failure here loses nothing (tried again next save).
+    Returns what to add to the "saved" line."""
     try:
-        os.fsync(directory)  # make the rename itself durable
-    finally:
-        os.close(directory)
+        removed = store.prune(keep_last)
+    except Exception as e:
+        log.warning("old snapshots in %s not removed: %s", store.location, describe(e))
+        return ""
+    return f"; removed {', '.join(removed)}" if removed else ""
 
 
 def with_retries(action: Callable[[], T], what: str, interrupted: Callable[[float], Optional[str]],
@@ -596,7 +603,7 @@ class BackgroundWriter:
         self.newest_saved = name
         retried = f", {attempts} attempts" if attempts > 1 else ""
         log.info("snapshot %s saved (%s, %.2f s in the background%s)%s", url, reason,
-                 time.perf_counter() - start, retried, self._prune())
+                 time.perf_counter() - start, retried, prune_quietly(self.store, self.keep_last))
 
     def _fail(self, message: str) -> None:
         """One line, no traceback: the run goes on with the previous snapshot; wait() turns it into an error."""
@@ -612,15 +619,6 @@ class BackgroundWriter:
     def _given_up(self, delay: float) -> Optional[str]:
         """Wait before the next attempt, unless a newer snapshot replaces this one."""
         return "given up for a newer snapshot" if self._superseded.wait(delay) else None
-
-    def _prune(self) -> str:
-        """Remove old snapshots once the new one is complete; a failure here loses nothing (tried again next save)."""
-        try:
-            removed = self.store.prune(self.keep_last)
-        except Exception as e:
-            log.warning("old snapshots in %s not removed: %s", self.store.location, describe(e))
-            return ""
-        return f"; removed {', '.join(removed)}" if removed else ""
 
     def wait(self, raise_error: bool = True) -> None:
         """Block until the current write is done, retries included; with raise_error, a failed write becomes a

@@ -453,7 +453,7 @@ class Trainer:
         # Without gradients a window needs a fraction of the memory: evaluate EVAL_BATCH_FACTOR x larger batches.
         self.val_loader = make_loader(val_data, own_val_windows, cfg.batch_size * EVAL_BATCH_FACTOR, False, cfg,
                                       ctx.device)
-        self._eval_lockstep = eval_lockstep(val_data, cfg, ctx.world_size)
+        self._eval_lockstep = eval_lockstep(val_data, cfg, ctx.world_size) if self.parallel.sharded else None
         self.global_batch = cfg.batch_size * cfg.grad_accum_steps * ctx.world_size  # windows per optimizer step
         self.tokens_per_step = self.global_batch * train_data[0][0].numel()
         self.steps_per_epoch = self.n_train // self.global_batch
@@ -615,7 +615,7 @@ class Trainer:
         start = time.perf_counter()
         self.last_val_loss = validation_loss(self.eval_model, self.val_loader, self.cfg.eval_batches, self.ctx,
                                              self.split, self.autocast,
-                                             self._eval_lockstep if self.parallel.sharded else None)
+                                             self._eval_lockstep)
         self._last_eval_step = self.step
         self.metrics.write({"step": self.step, "epoch": self.epoch, "val_loss": round(self.last_val_loss, 6),
                             "elapsed_s": round(time.perf_counter() - self._fit_start, 2)})
