@@ -49,7 +49,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import config
 import distributed
@@ -59,6 +58,7 @@ from char_dataset import CharCorpus
 from distributed import DistContext
 from errors import UsageError
 from model import GPT
+from parallel import is_dtensor
 from trainer import Trainer, TrainerConfig
 
 log = logging.getLogger("bench")
@@ -307,7 +307,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = tensor.to_local() if is_dtensor(tensor) else tensor
     return local.numel() * local.element_size()
 
 

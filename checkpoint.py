@@ -20,12 +20,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-import sharded as sharded_lib
 import snapshot as snapshot_lib
 from distributed import DistContext
 from snapshot import SnapshotStore
+
+if TYPE_CHECKING:
+    from sharded import ShardedWriter
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ class Checkpointer:
         self.stateful, self.sharded, self.exit_wait_s = stateful, sharded, exit_wait_s
         self.blocked_s: list[float] = []  # training-thread time per snapshot, for reports and bench.py
         self._last_saved_step = -1
-        self._writer: Optional[snapshot_lib.BackgroundWriter | sharded_lib.ShardedWriter] = None
+        self._writer: Optional[snapshot_lib.BackgroundWriter | ShardedWriter] = None
         self._group: Any = None  # the snapshot threads' gloo group, made at the first sharded save or load
 
     @property
@@ -100,19 +102,22 @@ class Checkpointer:
         self.blocked_s.append(blocked)
         return blocked
 
-    def _new_writer(self) -> snapshot_lib.BackgroundWriter | sharded_lib.ShardedWriter:
+    def _new_writer(self) -> snapshot_lib.BackgroundWriter | ShardedWriter:
         """Collective when sharded (every rank saves at the same step): the snapshot threads' own group."""
         if not self.sharded:
             return snapshot_lib.BackgroundWriter(self.store, self.cadence.keep_last)
-        keep_last = self.cadence.keep_last
-        return sharded_lib.ShardedWriter(self.store, self.ctx.rank, self._snapshot_group(),
-                                         snapshot_lib.SAVE_ATTEMPTS, snapshot_lib.SAVE_FIRST_BACKOFF_S,
-                                         lambda: snapshot_lib.prune_quietly(self.store, keep_last))
+        from sharded import ShardedWriter  # imports torch.distributed.checkpoint: only sharded runs pay for it
+
+        store, keep_last = self.store, self.cadence.keep_last
+        return ShardedWriter(store, self.ctx.rank, self._snapshot_group(), snapshot_lib.SAVE_ATTEMPTS,
+                             snapshot_lib.SAVE_FIRST_BACKOFF_S, lambda: snapshot_lib.prune_quietly(store, keep_last))
 
     def _snapshot_group(self) -> Any:
         """Collective the first time (every rank saves or loads shards at the same point)."""
         if self._group is None and self.ctx.distributed:
-            self._group = sharded_lib.new_group()
+            from sharded import new_group
+
+            self._group = new_group()
         return self._group
 
     def wait(self, raise_error: bool = True) -> None:
@@ -123,7 +128,7 @@ class Checkpointer:
     def finish_quietly(self) -> None:
         """Wait for a snapshot being written, on a path that is ending anyway (its failure is not raised). A sharded
         save needs every rank, and a peer may be gone: it gets exit_wait_s."""
-        if isinstance(self._writer, sharded_lib.ShardedWriter):
+        if self.sharded and self._writer is not None:
             self._writer.wait(raise_error=False, timeout=self.exit_wait_s)
         else:
             self.wait(raise_error=False)
@@ -158,10 +163,12 @@ class Checkpointer:
         (this rank's shards, or full tensors), at this run's world size, whatever the snapshot's was."""
         templates = {key: obj.named_state_dict() for key, obj in self.stateful.items()
                      if hasattr(obj, "named_state_dict")}
-        tensors, _ = sharded_lib.split_tensors(templates)
+        from sharded import merge, split_tensors
+
+        tensors, _ = split_tensors(templates)
         snap["shards"].load_into(tensors, self._snapshot_group())  # gloo: DCP exchanges its plans as objects
         for key, obj in self.stateful.items():
             if key in templates:
-                obj.load_state_dict(sharded_lib.merge(tensors.get(key, {}), snap.get(key, {})))
+                obj.load_state_dict(merge(tensors.get(key, {}), snap.get(key, {})))
             else:
                 obj.load_state_dict(snap[key])

@@ -50,9 +50,9 @@ from errors import UsageError, describe
 from model import GPT
 from optim import OptimizerConfig, build_optimizer, learning_rate
 from parallel import full_model_copy
-from plot import write_loss_plot
+from plot import LossPlotter
 from reporting import setup_logging
-from sample import generate_text
+from sample import generate_text, one_cpu_thread
 from snapshot import SnapshotStore
 from trainer import Trainer
 
@@ -104,15 +104,13 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
 
 
 def report_results(trainer: Trainer, model: GPT, corpus: CharCorpus, run_dir: Path) -> None:
-    """Rank 0, after training: the loss plot in the run directory and a short generated sample in the log."""
-    try:
-        log.info("loss plot: %s", write_loss_plot(run_dir))
-    except ImportError:
-        log.info("loss plot skipped: matplotlib is not installed")
+    """Rank 0, after training: the loss plot in the run directory (drawn meanwhile by another process) and a short
+    generated sample in the log."""
+    plotter = LossPlotter(run_dir)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(trainer.cfg.seed)
-    model.eval()
-    text = generate_text(model, corpus.vocab, "\n", 200, 0.8, 40, generator)
-    model.train()
+    with one_cpu_thread():
+        text = generate_text(model.eval(), corpus.vocab, "\n", 200, 0.8, 40, generator)
+    plotter.log_result()  # and ends it
     log.info("sample (temperature 0.8, top_k 40):\n%s", text.strip("\n"))
 
 
@@ -137,8 +135,8 @@ def report_error(error: BaseException) -> int:
     return 2 if usage else 1
 
 
-@hydra.main(version_base="1.3", config_path=".", config_name=CONFIG_NAME)
-def hydra_main(cfg: DictConfig) -> None:
+def run_training(cfg: DictConfig) -> None:
+    """The Hydra task: one job (several under -m), in the run directory Hydra made."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     if global_rank() == 0:
@@ -158,12 +156,17 @@ def hydra_main(cfg: DictConfig) -> None:
     leave_distributed()
 
 
+hydra_main = hydra.main(version_base="1.3", config_path=".", config_name=CONFIG_NAME)(run_training)
+
+
 def cli() -> None:
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
         print(config.help_text())
         return
     config.register()
     try:
+        if config.run_plain_job(run_training, sys.argv[1:]):  # a command line of overrides only: composed once
+            return
         config.precheck_overrides(sys.argv[1:])
     except UsageError as e:
         sys.exit(report_error(e))
@@ -171,12 +174,8 @@ def cli() -> None:
 
 
 def exit_without_teardown(code: Any) -> None:
-    """Leave the process as `sys.exit(code)` would, minus CPython's teardown of every module and object.
-
-    By now everything is written and closed. Freeing torch's thousands of modules one by one takes 1-2 s on a
-    2-core machine, 2-4% of the CPU quick-start's whole run, for nothing. Exit handlers (`atexit`) still run
-    and the streams are flushed; only the module teardown is skipped.
-    """
+    """`sys.exit(code)` minus CPython's teardown of every module: by now everything is written and closed, and
+    freeing torch's thousands of modules takes 1-2 s on a 2-core machine. Exit handlers run, streams are flushed."""
     if isinstance(code, str):  # sys.exit("message") prints the message and exits with 1
         print(code, file=sys.stderr)
         code = 1

@@ -96,6 +96,19 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+    def extend(self, x: torch.Tensor, cache: dict) -> torch.Tensor:
+        """Inference: the output for positions appended to those whose keys and values `cache` holds (it keeps
+        them); an empty cache starts at position 0. Positions attend causally, as in `forward`."""
+        batch, time, width = x.shape
+        q, k, v = self.c_attn(x).split(width, dim=2)
+        q, k, v = (t.view(batch, time, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if cache:  # one new position, which sees every cached one
+            k, v = torch.cat((cache["k"], k), dim=2), torch.cat((cache["v"], v), dim=2)
+        cache["k"], cache["v"] = k, v
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=time > 1)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(batch, time, width))
+
+
 def causal_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + causal mask) v, by torch's fused kernel; q, k, v: (batch, heads, time, head_dim)."""
     # is_causal=True builds the mask inside the kernel. (PyTorch's minGPT-DDP example passes a float mask of ones to
@@ -235,9 +248,13 @@ class GPT(nn.Module):
         """
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
+        caches: list[dict] = []
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size :]
-            logits, _ = self(context)
+            if not caches or idx.size(1) > self.config.block_size:  # the window moved: every position changed
+                caches = [{} for _ in self.transformer.h]
+                logits = self._extend(idx[:, -self.config.block_size :], caches, start=0)
+            else:  # the new token only: keys and values of the others are cached
+                logits = self._extend(idx[:, -1:], caches, start=idx.size(1) - 1)
             logits = logits[:, -1, :].float() / temperature
             if top_k is not None:
                 kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
@@ -246,6 +263,16 @@ class GPT(nn.Module):
             next_id = torch.multinomial(probs, num_samples=1, generator=generator)
             idx = torch.cat((idx, next_id), dim=1)
         return idx
+
+    def _extend(self, idx: torch.Tensor, caches: list[dict], start: int) -> torch.Tensor:
+        """Inference (`generate`): the logits of the last of `idx`'s positions, which start at position `start`,
+        with each block's keys and values cached in `caches` (the same function as `forward`, without dropout)."""
+        pos = torch.arange(start, start + idx.size(1), device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block, cache in zip(self.transformer.h, caches):
+            x = x + block.attn.extend(block.ln_1(x), cache)
+            x = x + block.mlp(block.ln_2(x))
+        return self.lm_head(self.transformer.ln_f(x[:, -1:]))
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6 per parameter (forward + backward), plus the attention score/value matmuls.

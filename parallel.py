@@ -18,20 +18,13 @@ import contextlib
 import functools
 import hashlib
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
@@ -186,16 +179,23 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Ten
     """Clip to a global norm; under FSDP the norm is over all ranks' shards (a collective). Returns the norm before
     clipping as a plain tensor."""
     total = nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], foreach=True)
-    if isinstance(total, DTensor):
+    if is_dtensor(total):
         total = total.full_tensor()  # the shards' partial norms, combined
     nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
     return total
 
 
 # ----------------------------------------------------------------------------------------------- state
+def is_dtensor(value: Any) -> bool:
+    """isinstance(value, DTensor) without importing torch.distributed.tensor here, at the start of every run (FSDP,
+    DCP or torch._dynamo import it when a run needs them): until one has, nothing is a DTensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
 def is_sharded_state(state: Any) -> bool:
     """True if a (nested) state holds DTensors: shards, not full tensors."""
-    if isinstance(state, DTensor):
+    if is_dtensor(state):
         return True
     if isinstance(state, dict):
         return any(is_sharded_state(value) for value in state.values())
@@ -203,7 +203,7 @@ def is_sharded_state(state: Any) -> bool:
 
 
 def is_sharded_model(model: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 class ModelState:
@@ -216,15 +216,19 @@ class ModelState:
         self.sharded = is_sharded_model(model)
 
     def state_dict(self) -> dict:
-        return get_model_state_dict(self.model) if self.sharded else self.model.state_dict()
+        return self.named_state_dict() if self.sharded else self.model.state_dict()
 
     def named_state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
         return get_model_state_dict(self.model)
 
     def load_state_dict(self, state: dict) -> None:
         if not self.sharded:
             self.model.load_state_dict(state)
             return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         full = not is_sharded_state(state)  # a DDP snapshot's full tensors: each rank keeps its shards of them
         set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=full))
 
@@ -241,6 +245,8 @@ class OptimizerState:
         return self.named_state_dict() if self.sharded else self.optimizer.state_dict()
 
     def named_state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         return get_optimizer_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state: dict) -> None:
@@ -250,6 +256,8 @@ class OptimizerState:
             return
         if numbered:
             state = named_optimizer_state(state, parameter_names(self.optimizer, self.model))
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
         full = not is_sharded_state(state)
         set_optimizer_state_dict(self.model, self.optimizer, state,
                                  options=StateDictOptions(full_state_dict=full and self.sharded))
@@ -288,7 +296,7 @@ def full_tensors(state: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective under FSDP. (name, full tensor) in sorted name order, one tensor gathered at a time."""
     for name in sorted(state):
         value = state[name]
-        yield name, value.full_tensor() if isinstance(value, DTensor) else value
+        yield name, value.full_tensor() if is_dtensor(value) else value
 
 
 def full_weights_sha256(model: nn.Module) -> str:

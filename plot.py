@@ -3,17 +3,22 @@
     python plot.py outputs/<run id>                      # writes outputs/<run id>/loss.png
     python plot.py outputs/<run id>/metrics.jsonl -o curve.png
 
-main.py writes `loss.png` into the run directory at the end of training. Needs matplotlib.
+main.py writes `loss.png` into the run directory at the end of training, in a child process (`LossPlotter`) while
+it generates its sample. Needs matplotlib.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
 from reporting import metrics_path, read_metrics
+
+log = logging.getLogger(__name__)
 
 
 def read_losses(metrics: Path) -> tuple[dict[int, float], dict[int, float]]:
@@ -50,6 +55,47 @@ def write_loss_plot(source: Path, output: Optional[Path] = None) -> Path:
     return output
 
 
+class PlotterFailed(Exception):
+    """The child process drew nothing; the message says why in one line."""
+
+
+class LossPlotter:
+    """`write_loss_plot(source)` in a child process (`python plot.py SOURCE`), so that the end of a run draws
+    its plot (about 1 s, most of it importing matplotlib) and generates its sample (about as long) at the same time,
+    on two cores. `log_result` waits for it and logs the PNG's path, or why there is none."""
+
+    def __init__(self, source: Path) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), str(Path(source).resolve())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+
+    def result(self, timeout_s: float = 60.0) -> Path:
+        try:
+            out, err = self._process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.communicate()
+            raise PlotterFailed(f"no plot after {timeout_s:.0f} s") from None
+        if self._process.returncode == MISSING_MATPLOTLIB:
+            raise ImportError("matplotlib is not installed")
+        if self._process.returncode != 0:
+            lines = [line for line in err.splitlines() if line.strip()]
+            raise PlotterFailed(lines[-1] if lines else f"exit code {self._process.returncode}")
+        return Path(out.strip())
+
+    def log_result(self) -> None:
+        try:
+            log.info("loss plot: %s", self.result())
+        except ImportError:
+            log.info("loss plot skipped: matplotlib is not installed")
+        except PlotterFailed as e:
+            log.warning("loss plot failed: %s", e)
+
+
+MISSING_MATPLOTLIB = 3  # plot.py's exit code without matplotlib
+
+
 def cli(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="plot.py", description="Plot a run's training and validation loss.")
     parser.add_argument("source", type=Path, help="run directory or metrics.jsonl")
@@ -59,7 +105,11 @@ def cli(argv: Optional[list[str]] = None) -> int:
     if not metrics.is_file():
         print(f"error: no metrics file at {metrics}", file=sys.stderr)
         return 2
-    print(write_loss_plot(args.source, args.output))
+    try:
+        print(write_loss_plot(args.source, args.output))
+    except ImportError:
+        print("error: matplotlib is not installed", file=sys.stderr)
+        return MISSING_MATPLOTLIB
     return 0
 
 

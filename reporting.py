@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from tensorboard_events import EventFile
+
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
@@ -57,8 +59,8 @@ def setup_logging(rank: int, run_dir: Optional[Path]) -> None:
 
 
 class MetricsLog:
-    """Rank 0's metrics: JSON rows appended to `metrics.jsonl`, and TensorBoard scalars when TensorBoard is
-    installed. A no-op on other ranks."""
+    """Rank 0's metrics: JSON rows appended to `metrics.jsonl`, and the same values as TensorBoard scalars
+    (tensorboard_events.py). A no-op on other ranks."""
 
     TENSORBOARD_TAGS = {
         "train_loss": "loss/train", "val_loss": "loss/val", "lr": "lr", "tokens_per_s": "throughput/tokens_per_s",
@@ -67,14 +69,10 @@ class MetricsLog:
 
     def __init__(self, run_dir: Optional[Path], enabled: bool) -> None:
         self.path = run_dir / METRICS_FILE if (run_dir is not None and enabled) else None
-        self._tensorboard = None
+        self._tensorboard: Optional[EventFile] = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # TensorBoard is optional
-                return
-            self._tensorboard = SummaryWriter(log_dir=str(run_dir))
+            self._tensorboard = EventFile(self.path.parent)
 
     def write(self, row: dict) -> None:
         if self.path is None:
@@ -82,9 +80,8 @@ class MetricsLog:
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         if self._tensorboard is not None:
-            for key, tag in self.TENSORBOARD_TAGS.items():
-                if key in row:
-                    self._tensorboard.add_scalar(tag, row[key], global_step=row["step"])
+            scalars = {tag: row[key] for key, tag in self.TENSORBOARD_TAGS.items() if key in row}
+            self._tensorboard.add_scalars(scalars, row["step"])
 
     def close(self) -> None:
         if self._tensorboard is not None:

@@ -10,9 +10,10 @@ overrides of `sample_cfg.yaml`. The same seed gives the same text (on the same d
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import fsspec
 import hydra
@@ -95,6 +96,18 @@ def model_from_snapshot(snapshot: dict, device: torch.device) -> tuple[GPT, Char
 def _brief(error: BaseException) -> str:
     """An error as one line of at most 300 characters (load_state_dict's first line alone says nothing)."""
     return " ".join(line.strip() for line in str(error).splitlines() if line.strip())[:300]
+
+
+@contextlib.contextmanager
+def one_cpu_thread() -> Iterator[None]:
+    """torch's CPU ops on one thread meanwhile: at the end of a run the plotter's process draws on another core,
+    and an op split over two threads would wait for the one that shares its core (generation ~2x slower)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def generate_text(

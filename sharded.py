@@ -29,7 +29,6 @@ import pickle
 import shutil
 import threading
 import time
-import uuid
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -41,12 +40,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from durable import fsync_folder
 from errors import CorruptSnapshot, UsageError, describe, is_permanent
 from parallel import numbered_optimizer_state
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".dcp"
 COMMIT_FILE = "snapshot.json"
 DCP_INDEX = ".metadata"
 FORMAT_VERSION = 1  # of snapshot.json
@@ -487,19 +486,6 @@ def commit_local(root: str, temporary: str, final: str, doc: dict) -> None:
         shutil.rmtree(aside, ignore_errors=True)
     os.replace(temporary, final)
     fsync_folder(root)
-
-
-def fsync_folder(path: str) -> None:
-    """Make the entries of a folder (a rename into it) durable."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def temporary_name(name: str) -> str:
-    return f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 # --------------------------------------------------------------------------------------------------- one file

@@ -41,8 +41,8 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-import sharded as sharded_lib
 from char_dataset import check_location, resolve_path
+from durable import fsync_folder, temporary_name
 from errors import CorruptSnapshot, UsageError, describe, first_line, is_permanent  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ T = TypeVar("T")
 FORMAT_VERSION = 1
 ZIP_MAGIC = b"PK\x03\x04"  # what every torch.save file starts with
 NAME_PATTERN = re.compile(r"^snapshot-(\d{9})\.pt$")
+SHARDED_SUFFIX = ".dcp"
 SHARDED_PATTERN = re.compile(r"^snapshot-(\d{9})\.dcp$")  # a folder of shards (strategy=fsdp): sharded.py
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "bias", "vocab_size", "block_size")
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "progress", "model_config", "vocab", "integrity_sha256")
@@ -73,8 +74,16 @@ S3_DEFAULT_RETRIES = {"total_max_attempts": 3, "mode": "standard"}
 S3_PART_BYTES = 50 * 2**20
 
 
+def _sharded():  # noqa: ANN202 (the module)
+    """sharded.py, imported on first use: it imports torch.distributed.checkpoint (about 0.5 s), which a run that
+    meets no folder of shards never needs."""
+    import sharded
+
+    return sharded
+
+
 def snapshot_name(step: int, sharded: bool = False) -> str:
-    return f"snapshot-{step:09d}{sharded_lib.SUFFIX if sharded else '.pt'}"
+    return f"snapshot-{step:09d}{SHARDED_SUFFIX if sharded else '.pt'}"
 
 
 def snapshot_step(name: str) -> Optional[int]:
@@ -215,7 +224,7 @@ class Entry:
 
     @property
     def sharded(self) -> bool:
-        return self.name.endswith(sharded_lib.SUFFIX)
+        return self.name.endswith(SHARDED_SUFFIX)
 
 
 class SnapshotStore:
@@ -255,7 +264,7 @@ class SnapshotStore:
         return sorted(found, key=lambda entry: (entry.step, entry.sharded), reverse=True)
 
     def _committed(self, name: str) -> bool:
-        return self.fs.exists(self._path(f"{name}/{sharded_lib.COMMIT_FILE}"))
+        return self.fs.exists(self._path(f"{name}/{_sharded().COMMIT_FILE}"))
 
     def check_writable(self) -> None:
         """Fail in seconds, before training, if snapshots cannot be written here."""
@@ -353,7 +362,7 @@ class SnapshotStore:
         FileNotFoundError; a store that fails is tried again (`read_with_retries`)."""
         source = self.url(entry.name)
         if entry.sharded:
-            return read_with_retries(f"cannot read snapshot {source}", lambda: sharded_lib.read(
+            return read_with_retries(f"cannot read snapshot {source}", lambda: _sharded().read(
                 self.fs, self.is_local, self._path(entry.name), source))
         data = read_with_retries(f"cannot read snapshot {source}", lambda: self.read(entry.name))
         return from_bytes(data, source)
@@ -383,7 +392,7 @@ class SnapshotStore:
             shutil.rmtree(path)
         elif self.is_local:
             os.remove(path)
-        elif name.endswith(sharded_lib.SUFFIX):
+        elif name.endswith(SHARDED_SUFFIX):
             self.fs.rm(path, recursive=True)
         else:
             self.fs.rm_file(path)
@@ -402,7 +411,7 @@ class SnapshotStore:
         place by `commit_sharded`); on an object store the snapshot's own folder, emptied of what an interrupted
         save of the same step left."""
         if self.is_local:
-            path = self._path(sharded_lib.temporary_name(name))
+            path = self._path(temporary_name(name))
             os.makedirs(path)
             return path
         path = self._path(name)
@@ -424,9 +433,9 @@ class SnapshotStore:
     def commit_sharded(self, name: str, written: str, doc: dict) -> None:
         """Make a sharded snapshot whose shards are all `written` visible: its snapshot.json goes last."""
         if self.is_local:
-            sharded_lib.commit_local(self.root, written, self._path(name), doc)
+            _sharded().commit_local(self.root, written, self._path(name), doc)
         else:
-            self.fs.pipe_file(f"{written}/{sharded_lib.COMMIT_FILE}", json.dumps(doc).encode())
+            self.fs.pipe_file(f"{written}/{_sharded().COMMIT_FILE}", json.dumps(doc).encode())
 
     def load_newest_valid(
         self, model_config: Optional[dict] = None, vocab: Optional[str] = None
@@ -466,7 +475,7 @@ def write_local_atomically(path: str, data: bytes) -> None:
     """Write a file so that readers see the old one or the new one, never a part (durable once it returns)."""
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
-    temporary = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    temporary = os.path.join(folder, temporary_name(os.path.basename(path)))
     try:
         with open(temporary, "wb") as f:
             f.write(data)
@@ -477,7 +486,7 @@ def write_local_atomically(path: str, data: bytes) -> None:
         if os.path.exists(temporary):
             os.remove(temporary)
         raise
-    sharded_lib.fsync_folder(folder)  # make the rename itself durable
+    fsync_folder(folder)  # make the rename itself durable
 
 
 def prune_quietly(store: SnapshotStore, keep_last: int) -> str:
@@ -680,11 +689,11 @@ def read_snapshot(path_or_url: str, storage_options: Optional[dict] = None) -> d
     location, _, name = url.rpartition("/")
     try:
         store = SnapshotStore(location or "/", storage_options)
-        sharded = name.endswith(sharded_lib.SUFFIX) or store.fs.isdir(store._path(name))
-        if sharded and not name.endswith(sharded_lib.SUFFIX) and SnapshotStore(url, storage_options).entries():
+        sharded = name.endswith(SHARDED_SUFFIX) or store.fs.isdir(store._path(name))
+        if sharded and not name.endswith(SHARDED_SUFFIX) and SnapshotStore(url, storage_options).entries():
             raise UsageError(f"{url} is a folder of snapshots, not one snapshot (snapshot.py list {url} shows them)")
         if sharded:
-            return sharded_lib.read(store.fs, store.is_local, store._path(name), url)
+            return _sharded().read(store.fs, store.is_local, store._path(name), url)
         data = store.read(name)
     except FileNotFoundError:
         raise UsageError(f"no such snapshot: {url}") from None
@@ -699,7 +708,7 @@ def single_file(snapshot: dict) -> dict:
     """A verified snapshot of either kind as a single-file snapshot (full tensors), its digests renewed."""
     if "shards" not in snapshot:
         return snapshot
-    return seal({**sharded_lib.full_state(snapshot), "format_version": FORMAT_VERSION})
+    return seal({**_sharded().full_state(snapshot), "format_version": FORMAT_VERSION})
 
 
 def consolidate(source: str, target: str) -> str:

@@ -43,6 +43,7 @@ import fsspec
 import fsspec.implementations.local
 import numpy as np
 
+from durable import fsync_folder
 from errors import UsageError, first_line
 
 log = logging.getLogger("mingpt")
@@ -744,11 +745,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the renames themselves survive a crash
-    finally:
-        os.close(directory)
+    fsync_folder(path.parent)  # the rename itself survives a crash
 
 
 def _digest(body: dict) -> str:

@@ -1,10 +1,11 @@
 """End to end: the real CLI as a subprocess, under torchrun (2 processes, gloo) and without it."""
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
-from support import TINY, assert_ok, run_cli
+from support import TINY, assert_ok, cli, own_snapshots, run_cli, subprocess_env
 
 from reporting import read_metrics
 
@@ -37,10 +38,30 @@ def test_torchrun_two_processes(tmp_path):
     assert "[rank 1]" not in result.stdout
 
 
+# Imported by a plain ddp run's process, each would add 0.3-0.8 s to every start (bench_startup.py): DCP (sharded
+# snapshots only), TensorBoard (events are written directly), matplotlib (the plot is drawn by another process).
+NOT_IMPORTED = ["torch.distributed.checkpoint", "torch.utils.tensorboard", "tensorboard", "matplotlib"]
+WATCH_IMPORTS = (
+    "import atexit, runpy, sys\n"
+    f"atexit.register(lambda: print('imported:', [m for m in {NOT_IMPORTED!r} if m in sys.modules]))\n"
+    "sys.argv = sys.argv[1:]\n"
+    "sys.path.insert(0, sys.argv[0].rsplit('/', 1)[0])\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
 def test_single_process_without_torchrun(tmp_path, run_dir):
-    result = run_cli([*TINY, f"hydra.run.dir={run_dir}"], tmp_path)
+    """Also: the config is composed once for the whole command line (the saved overrides are the user's), and the
+    process imports none of NOT_IMPORTED."""
+    command = cli([*own_snapshots(tmp_path), *TINY, f"hydra.run.dir={run_dir}"])
+    result = subprocess.run([command[0], "-c", WATCH_IMPORTS, *command[1:]], cwd=tmp_path,
+                            env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert_ok(result)
     assert_trained(run_dir, world_size=1)
+    assert "imported: []" in result.stdout, result.stdout[-500:]
+    assert (run_dir / "loss.png").stat().st_size > 10_000
+    saved = (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert all(f"- {arg}" in saved for arg in TINY) and "hydra.mode" not in saved, saved
 
 
 def test_misspelled_override_is_one_line(tmp_path):

@@ -1,0 +1,244 @@
+"""Benchmark what a launch and a restart cost before training goes on: whole processes, timed from outside.
+
+    python bench_startup.py                                  # start-up: 5 launches of 1 step, median and spread
+    python bench_startup.py --nanogpt ../nanoGPT             # ... alternating with nanoGPT's train.py (paired)
+    python bench_startup.py --only restart --kills 5         # restart latency: 2 CPU processes under torchrun
+    python bench_startup.py --json result.json               # also write the numbers as JSON
+
+**startup**: `python main.py preset=nanogpt_cpu trainer_config.max_steps=1` (nanoGPT's CPU recipe, one step, a new
+snapshot folder and run directory each time: import, config, data, model, one step, the end-of-run validation,
+snapshot, plot and sample, exit), wall time from the outside and the process's peak RSS (its own, from wait4; the
+plot's child process is not in it). With `--nanogpt DIR` (a checkout of karpathy/nanoGPT; its shakespeare_char
+data is prepared from data/input.txt when missing) each round also runs nanoGPT's own `train.py` with its README's
+CPU settings and `--max_iters=1`, the two in turn, the order swapped every round; reported: each one's median and
+the median of the per-round ratios (ours / nanoGPT's). One untimed round first warms the page cache.
+
+**restart**: `torchrun --standalone --nproc_per_node=2 --max-restarts=K main.py preset=nanogpt_cpu` with a
+snapshot every 5 steps; once it has taken 15 steps since its last (re)start, one worker (rank 1 and rank 0 in turn)
+is SIGKILLed. Latency: from the kill to the first step logged after torchrun's restart (the step's own time
+included), and its parts: to the new rank 0's first log line (torchrun noticing, stopping the other worker,
+rendezvous, the new processes' imports and config), to "resumed from" (data, process group, model, snapshot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+PROJECT_DIR = Path(__file__).resolve().parent
+OURS = ["main.py", "preset=nanogpt_cpu", "trainer_config.max_steps=1"]
+NANOGPT = ["train.py", "config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
+           "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
+           "--max_iters=1", "--lr_decay_iters=2000", "--dropout=0.0"]
+
+
+def run_timed(argv: list[str], cwd: Path) -> tuple[float, int]:
+    """(wall seconds, peak RSS in bytes) of one whole process; raises if it fails."""
+    with tempfile.TemporaryFile() as errors:
+        start = time.perf_counter()
+        process = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=errors)
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - start
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            errors.seek(0)
+            text = errors.read().decode(errors="replace").strip()[-500:]
+            raise SystemExit(f"{' '.join(argv[:3])} failed ({process.returncode}): {text}")
+    return wall, usage.ru_maxrss * 1024
+
+
+def prepare_nanogpt(checkout: Path) -> None:
+    data = checkout / "data" / "shakespeare_char"
+    if not (data / "train.bin").exists():
+        shutil.copy(PROJECT_DIR / "data" / "input.txt", data / "input.txt")  # its prepare.py downloads otherwise
+        subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, stdout=subprocess.DEVNULL)
+
+
+def spread(values: list[float], digits: int = 2) -> dict:
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits), "all": [round(v, digits) for v in values]}
+
+
+def bench_startup(rounds: int, nanogpt: Optional[Path], overrides: list[str]) -> dict:
+    scratch = Path(tempfile.mkdtemp(prefix="bench-startup-"))
+    ours_times, ours_rss, theirs_times, theirs_rss, ratios = [], [], [], [], []
+    try:
+        for index in range(rounds + 1):  # round 0: untimed warm-up
+            ours = [sys.executable, *OURS, f"trainer_config.snapshot_path={scratch}/s{index}",
+                    f"hydra.run.dir={scratch}/o{index}", *overrides]
+            theirs = [sys.executable, *NANOGPT, f"--out_dir={scratch}/n{index}"]
+            order = [("ours", ours, PROJECT_DIR)] + ([("nanogpt", theirs, nanogpt)] if nanogpt else [])
+            results = {name: run_timed(argv, cwd) for name, argv, cwd in (order if index % 2 else order[::-1])}
+            if index == 0:
+                continue
+            ours_times.append(results["ours"][0])
+            ours_rss.append(results["ours"][1] / 2**20)
+            if nanogpt:
+                theirs_times.append(results["nanogpt"][0])
+                theirs_rss.append(results["nanogpt"][1] / 2**20)
+                ratios.append(results["ours"][0] / results["nanogpt"][0])
+            print(f"round {index}: " + ", ".join(f"{k} {v[0]:.2f} s {v[1] / 2**20:.0f} MB" for k, v in results.items()),
+                  file=sys.stderr)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report = {"command": " ".join(["python", *OURS, *overrides]), "rounds": rounds,
+              "ours_s": spread(ours_times), "ours_peak_rss_mb": spread(ours_rss, 0)}
+    if nanogpt:
+        report.update({"nanogpt_s": spread(theirs_times), "nanogpt_peak_rss_mb": spread(theirs_rss, 0),
+                       "ratio_ours_to_nanogpt": spread(ratios, 3)})
+    return report
+
+
+# ------------------------------------------------------------------------------------------------------ restart
+class LogWatcher:
+    """The job's output, line by line, with the time each line arrived."""
+
+    def __init__(self, stream) -> None:  # noqa: ANN001 (a text stream)
+        self.lines: list[tuple[float, str]] = []
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:  # noqa: ANN001
+        for line in stream:
+            with self._changed:
+                self.lines.append((time.perf_counter(), line.rstrip("\n")))
+                self._changed.notify_all()
+        with self._changed:
+            self.lines.append((time.perf_counter(), "<eof>"))
+            self._changed.notify_all()
+
+    def wait_for(self, start: int, predicate, timeout_s: float) -> tuple[int, float, str]:  # noqa: ANN001
+        """The first line at index >= start that satisfies predicate: (index, arrival time, line)."""
+        deadline = time.perf_counter() + timeout_s
+        index = start
+        with self._changed:
+            while True:
+                while index < len(self.lines):
+                    arrived, line = self.lines[index]
+                    if line == "<eof>":
+                        raise SystemExit("the job ended: " + " | ".join(text for _, text in self.lines[-5:]))
+                    if predicate(line):
+                        return index, arrived, line
+                    index += 1
+                if not self._changed.wait(timeout=max(0.0, deadline - time.perf_counter())):
+                    raise SystemExit(f"timed out; last lines: {[text for _, text in self.lines[-5:]]}")
+
+
+def is_step_line(line: str) -> bool:
+    return " step " in line and "/" in line.split(" step ", 1)[1].split(" ", 1)[0]
+
+
+def worker_pids(agent: int) -> dict[int, int]:
+    """{global rank: pid} of the agent's worker processes."""
+    workers = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if parent != agent:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except (OSError, ValueError):
+            continue
+        if b"RANK" in env:
+            workers[int(env[b"RANK"])] = int(entry)
+    return workers
+
+
+def wait_for_new_workers(agent: int, old: set[int], count: int, timeout_s: float = 120) -> float:
+    """When `count` workers that are not `old` are all running (polled every 10 ms): torchrun's share of a restart."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        if len(set(worker_pids(agent).values()) - old) >= count:
+            return time.perf_counter()
+        time.sleep(0.01)
+    raise SystemExit("torchrun started no new workers")
+
+
+def bench_restart(kills: int, overrides: list[str]) -> dict:
+    scratch = Path(tempfile.mkdtemp(prefix="bench-restart-"))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            f"--max-restarts={kills}", "main.py", "preset=nanogpt_cpu", "trainer_config.max_steps=100000",
+            "trainer_config.log_every_steps=1", "trainer_config.progress=lines", "trainer_config.save_every_steps=5",
+            "trainer_config.eval_every_steps=0", f"trainer_config.snapshot_path={scratch}/snapshots",
+            f"hydra.run.dir={scratch}/run", *overrides]
+    job = subprocess.Popen(argv, cwd=PROJECT_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    watcher = LogWatcher(job.stdout)
+    results = []
+    try:
+        position, _, _ = watcher.wait_for(0, lambda line: "run directory:" in line, 120)
+        for kill in range(kills):
+            for _ in range(15):
+                position, _, _ = watcher.wait_for(position + 1, is_step_line, 120)
+            victim_rank = (kill + 1) % 2  # rank 1 first, then rank 0
+            victim = worker_pids(job.pid)[victim_rank]
+            killed_at = time.perf_counter()
+            before = set(worker_pids(job.pid).values())
+            os.kill(victim, signal.SIGKILL)
+            kill_index = len(watcher.lines)
+            spawned_at = wait_for_new_workers(job.pid, before, 2)
+            up, up_at, _ = watcher.wait_for(kill_index, lambda line: "run directory:" in line, 120)
+            resumed, resumed_at, _ = watcher.wait_for(up, lambda line: "resumed from" in line, 120)
+            position, step_at, line = watcher.wait_for(resumed, is_step_line, 120)
+            results.append({"killed_rank": victim_rank, "latency_s": step_at - killed_at,
+                            "to_new_processes_s": spawned_at - killed_at,
+                            "to_first_line_s": up_at - killed_at, "to_resumed_s": resumed_at - killed_at})
+            parts = {"new processes": spawned_at, "first line": up_at, "resumed": resumed_at}
+            print(f"kill {kill + 1} (rank {victim_rank}): first step after {step_at - killed_at:.2f} s ("
+                  + ", ".join(f"{name} {at - killed_at:.2f} s" for name, at in parts.items()) + ")", file=sys.stderr)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"command": " ".join(["torchrun", *argv[3:6], "main.py", "preset=nanogpt_cpu", "..."]), "kills": kills,
+            "latency_s": spread([r["latency_s"] for r in results]),
+            "to_new_processes_s": spread([r["to_new_processes_s"] for r in results]),
+            "to_first_line_s": spread([r["to_first_line_s"] for r in results]),
+            "to_resumed_s": spread([r["to_resumed_s"] for r in results]), "each": results}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_startup.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=["startup", "restart"], default=None)
+    parser.add_argument("--rounds", type=int, default=5, help="start-up rounds (default 5)")
+    parser.add_argument("--nanogpt", type=Path, default=None, help="a nanoGPT checkout to compare with")
+    parser.add_argument("--kills", type=int, default=5, help="restarts to time (default 5)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for main.py")
+    args = parser.parse_args(argv)
+    if args.nanogpt is not None:
+        if not (args.nanogpt / "train.py").is_file():
+            print(f"error: no train.py in {args.nanogpt}", file=sys.stderr)
+            return 2
+        args.nanogpt = args.nanogpt.resolve()
+        prepare_nanogpt(args.nanogpt)
+    report = {}
+    if args.only in (None, "startup"):
+        report["startup"] = bench_startup(args.rounds, args.nanogpt, args.overrides)
+    if args.only in (None, "restart"):
+        report["restart"] = bench_restart(args.kills, args.overrides)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
