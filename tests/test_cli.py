@@ -38,9 +38,11 @@ def test_torchrun_two_processes(tmp_path):
     assert "[rank 1]" not in result.stdout
 
 
-# Imported by a plain ddp run's process, each would add 0.3-0.8 s to every start (bench_startup.py): DCP (sharded
-# snapshots only), TensorBoard (events are written directly), matplotlib (the plot is drawn by another process).
-NOT_IMPORTED = ["torch.distributed.checkpoint", "torch.utils.tensorboard", "tensorboard", "matplotlib"]
+# Imported by a one-process eager run, each would add 0.3-2 s to every start (bench_launch.py): torch._dynamo
+# (optim.AdamW; DDP imports it in multi-process runs), DCP (sharded snapshots only), TensorBoard (events are written
+# directly), matplotlib (the plot is drawn by another process).
+NOT_IMPORTED = ["torch._dynamo", "torch.distributed.checkpoint", "torch.utils.tensorboard", "tensorboard",
+                "matplotlib"]
 WATCH_IMPORTS = (
     "import atexit, runpy, sys\n"
     f"atexit.register(lambda: print('imported:', [m for m in {NOT_IMPORTED!r} if m in sys.modules]))\n"

@@ -1,9 +1,11 @@
-"""Benchmark what a launch and a restart cost before training goes on: whole processes, timed from outside.
+"""Benchmark whole processes, as a user runs them: start-up, restart latency, and the training step as each
+program's own log reports it, against nanoGPT's train.py.
 
-    python bench_startup.py                                  # start-up: 5 launches of 1 step, median and spread
-    python bench_startup.py --nanogpt ../nanoGPT             # ... alternating with nanoGPT's train.py (paired)
-    python bench_startup.py --only restart --kills 5         # restart latency: 2 CPU processes under torchrun
-    python bench_startup.py --json result.json               # also write the numbers as JSON
+    python bench_launch.py --only startup                    # start-up: 5 launches of 1 step, median and spread
+    python bench_launch.py --only startup --nanogpt ../nanoGPT   # ... alternating with nanoGPT's train.py (paired)
+    python bench_launch.py --only restart --kills 5          # restart latency: 2 CPU processes under torchrun
+    python bench_launch.py --only step --nanogpt ../nanoGPT  # the step: whole runs of both, alternating
+    python bench_launch.py --nanogpt ../nanoGPT --json r.json    # all three; also write the numbers as JSON
 
 **startup**: `python main.py preset=nanogpt_cpu trainer_config.max_steps=1` (nanoGPT's CPU recipe, one step, a new
 snapshot folder and run directory each time: import, config, data, model, one step, the end-of-run validation,
@@ -18,6 +20,12 @@ snapshot every 5 steps; once it has taken 15 steps since its last (re)start, one
 is SIGKILLed. Latency: from the kill to the first step logged after torchrun's restart (the step's own time
 included), and its parts: to the new rank 0's first log line (torchrun noticing, stopping the other worker,
 rendezvous, the new processes' imports and config), to "resumed from" (data, process group, model, snapshot).
+
+**step** (needs `--nanogpt`): 240-step runs of both programs on nanoGPT's CPU recipe, in turn, the order swapped
+every round; each program's own step times for steps 30-210 (nanoGPT: `--log_interval=1`, its per-iteration
+"time ... ms"; this one: `trainer_config.log_every_steps=10`, the mean ms/step of each 10), their medians, and the
+median of the per-round ratios (nanoGPT's step / ours: above 1 is faster than nanoGPT). Whatever each program does
+per step counts: data, forward, backward, clipping, the optimizer, logging; the evaluations are outside the window.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -40,7 +49,7 @@ PROJECT_DIR = Path(__file__).resolve().parent
 OURS = ["main.py", "preset=nanogpt_cpu", "trainer_config.max_steps=1"]
 NANOGPT = ["train.py", "config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
            "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
-           "--max_iters=1", "--lr_decay_iters=2000", "--dropout=0.0"]
+           "--lr_decay_iters=2000", "--dropout=0.0"]  # its README's CPU recipe (max_iters: 2000 there)
 
 
 def run_timed(argv: list[str], cwd: Path) -> tuple[float, int]:
@@ -77,7 +86,7 @@ def bench_startup(rounds: int, nanogpt: Optional[Path], overrides: list[str]) ->
         for index in range(rounds + 1):  # round 0: untimed warm-up
             ours = [sys.executable, *OURS, f"trainer_config.snapshot_path={scratch}/s{index}",
                     f"hydra.run.dir={scratch}/o{index}", *overrides]
-            theirs = [sys.executable, *NANOGPT, f"--out_dir={scratch}/n{index}"]
+            theirs = [sys.executable, *NANOGPT, "--max_iters=1", f"--out_dir={scratch}/n{index}"]
             order = [("ours", ours, PROJECT_DIR)] + ([("nanogpt", theirs, nanogpt)] if nanogpt else [])
             results = {name: run_timed(argv, cwd) for name, argv, cwd in (order if index % 2 else order[::-1])}
             if index == 0:
@@ -98,6 +107,50 @@ def bench_startup(rounds: int, nanogpt: Optional[Path], overrides: list[str]) ->
         report.update({"nanogpt_s": spread(theirs_times), "nanogpt_peak_rss_mb": spread(theirs_rss, 0),
                        "ratio_ours_to_nanogpt": spread(ratios, 3)})
     return report
+
+
+# --------------------------------------------------------------------------------------------------------- step
+STEP_WINDOW = (30, 210)  # steps timed: after warm-up, before the first of nanoGPT's evaluations at 250
+
+
+def logged_step_ms(argv: list[str], cwd: Path, pattern: str) -> list[float]:
+    """Run a program to the end; the step times its log gives for steps in STEP_WINDOW."""
+    result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(argv[:3])} failed ({result.returncode}): {result.stderr.strip()[-500:]}")
+    times = []
+    for match in re.finditer(pattern, result.stdout + result.stderr):
+        step, ms = int(match.group(1)), float(match.group(2).replace(",", ""))
+        if STEP_WINDOW[0] < step <= STEP_WINDOW[1]:
+            times.append(ms)
+    if not times:
+        raise SystemExit(f"no step times in the output of {' '.join(argv[:3])}")
+    return times
+
+
+def bench_step(rounds: int, nanogpt: Path, overrides: list[str]) -> dict:
+    scratch = Path(tempfile.mkdtemp(prefix="bench-step-"))
+    ours_ms, theirs_ms, ratios = [], [], []
+    try:
+        for index in range(rounds):
+            ours = [sys.executable, "main.py", "preset=nanogpt_cpu", "trainer_config.max_steps=240",
+                    "trainer_config.log_every_steps=10", "trainer_config.progress=lines",
+                    "trainer_config.eval_every_steps=0", f"trainer_config.snapshot_path={scratch}/s{index}",
+                    f"hydra.run.dir={scratch}/o{index}", *overrides]
+            theirs = [sys.executable, *NANOGPT, "--max_iters=240", f"--out_dir={scratch}/n{index}"]
+            runs = [("ours", ours, PROJECT_DIR, r"step (\d+)/\d+ .*?\| ([\d,.]+) ms/step"),
+                    ("nanogpt", theirs, nanogpt, r"iter (\d+): loss [\d.]+, time ([\d.]+)ms")]
+            medians = {name: statistics.median(logged_step_ms(argv, cwd, pattern))
+                       for name, argv, cwd, pattern in (runs if index % 2 else runs[::-1])}
+            ours_ms.append(medians["ours"])
+            theirs_ms.append(medians["nanogpt"])
+            ratios.append(medians["nanogpt"] / medians["ours"])
+            print(f"step round {index + 1}: ours {medians['ours']:.1f} ms, nanogpt {medians['nanogpt']:.1f} ms, "
+                  f"speed-up {ratios[-1]:.3f}", file=sys.stderr)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"rounds": rounds, "window": list(STEP_WINDOW), "ours_ms": spread(ours_ms, 1),
+            "nanogpt_ms": spread(theirs_ms, 1), "speedup_vs_nanogpt": spread(ratios, 3)}
 
 
 # ------------------------------------------------------------------------------------------------------ restart
@@ -214,8 +267,9 @@ def bench_restart(kills: int, overrides: list[str]) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench_startup.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["startup", "restart"], default=None)
+    parser = argparse.ArgumentParser(prog="bench_launch.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=["startup", "restart", "step"], default=None)
+    parser.add_argument("--step-rounds", type=int, default=5, help="step rounds (default 5)")
     parser.add_argument("--rounds", type=int, default=5, help="start-up rounds (default 5)")
     parser.add_argument("--nanogpt", type=Path, default=None, help="a nanoGPT checkout to compare with")
     parser.add_argument("--kills", type=int, default=5, help="restarts to time (default 5)")
@@ -233,6 +287,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         report["startup"] = bench_startup(args.rounds, args.nanogpt, args.overrides)
     if args.only in (None, "restart"):
         report["restart"] = bench_restart(args.kills, args.overrides)
+    if args.only in (None, "step") and args.nanogpt is not None:
+        report["step"] = bench_step(args.step_rounds, args.nanogpt, args.overrides)
+    elif args.only == "step":
+        print("error: --only step needs --nanogpt DIR", file=sys.stderr)
+        return 2
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
