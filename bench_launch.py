@@ -9,11 +9,12 @@ program's own log reports it, against nanoGPT's train.py.
 
 **startup**: `python main.py preset=nanogpt_cpu trainer_config.max_steps=1` (nanoGPT's CPU recipe, one step, a new
 snapshot folder and run directory each time: import, config, data, model, one step, the end-of-run validation,
-snapshot, plot and sample, exit), wall time from the outside and the process's peak RSS (its own, from wait4; the
-plot's child process is not in it). With `--nanogpt DIR` (a checkout of karpathy/nanoGPT; its shakespeare_char
-data is prepared from data/input.txt when missing) each round also runs nanoGPT's own `train.py` with its README's
-CPU settings and `--max_iters=1`, the two in turn, the order swapped every round; reported: each one's median and
-the median of the per-round ratios (ours / nanoGPT's). One untimed round first warms the page cache.
+snapshot, plot and sample, exit), wall time from the outside and the peak RSS from wait4 (the larger of the
+process's and its plot child's, which is far smaller). With `--nanogpt DIR` (a checkout of karpathy/nanoGPT; its
+shakespeare_char data is prepared from data/input.txt when missing) each round also runs nanoGPT's own `train.py`
+with its README's CPU settings and `--max_iters=1`, the two in turn, the order swapped every round; reported: each
+one's median and the median of the per-round ratios (ours / nanoGPT's). One untimed round first warms the page
+cache.
 
 **restart**: `torchrun --standalone --nproc_per_node=2 --max-restarts=K main.py preset=nanogpt_cpu` with a
 snapshot every 5 steps; once it has taken 15 steps since its last (re)start, one worker (rank 1 and rank 0 in turn)

@@ -52,7 +52,7 @@ from optim import OptimizerConfig, build_optimizer, learning_rate
 from parallel import full_model_copy
 from plot import LossPlotter
 from reporting import setup_logging
-from sample import generate_text, one_cpu_thread
+from sample import generate_text, one_core_spared
 from snapshot import SnapshotStore
 from trainer import Trainer
 
@@ -108,7 +108,7 @@ def report_results(trainer: Trainer, model: GPT, corpus: CharCorpus, run_dir: Pa
     generated sample in the log."""
     plotter = LossPlotter(run_dir)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(trainer.cfg.seed)
-    with one_cpu_thread():
+    with one_core_spared():
         text = generate_text(model.eval(), corpus.vocab, "\n", 200, 0.8, 40, generator)
     plotter.log_result()  # and ends it
     log.info("sample (temperature 0.8, top_k 40):\n%s", text.strip("\n"))

@@ -250,7 +250,9 @@ class GPT(nn.Module):
             raise ValueError(f"temperature must be positive, got {temperature}")
         caches: list[dict] = []
         for _ in range(max_new_tokens):
-            if not caches or idx.size(1) > self.config.block_size:  # the window moved: every position changed
+            if self.training:  # dropout on (generation is meant for eval mode): the plain forward
+                logits = self(idx[:, -self.config.block_size :])[0][:, -1:]
+            elif not caches or idx.size(1) > self.config.block_size:  # the window moved: every position changed
                 caches = [{} for _ in self.transformer.h]
                 logits = self._extend(idx[:, -self.config.block_size :], caches, start=0)
             else:  # the new token only: keys and values of the others are cached

@@ -72,7 +72,7 @@ class AdamW(torch.optim.AdamW):
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         with torch.set_grad_enabled(self.defaults["differentiable"]):  # what _use_grad_for_differentiable does
-            return _unwrapped(torch.optim.Adam.step)(self, closure)
+            return _unwrapped(torch.optim.AdamW.step)(self, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         _unwrapped(torch.optim.Optimizer.zero_grad)(self, set_to_none)

@@ -65,12 +65,19 @@ class LossPlotter:
     on two cores. `log_result` waits for it and logs the PNG's path, or why there is none."""
 
     def __init__(self, source: Path) -> None:
-        self._process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), str(Path(source).resolve())],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
+        self._process: Optional[subprocess.Popen] = None
+        self._error = ""
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), str(Path(source).resolve())],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+            )
+        except OSError as e:  # no process to spare: `result` says so
+            self._error = str(e)
 
     def result(self, timeout_s: float = 60.0) -> Path:
+        if self._process is None:
+            raise PlotterFailed(f"cannot start plot.py: {self._error}")
         try:
             out, err = self._process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -89,7 +96,7 @@ class LossPlotter:
             log.info("loss plot: %s", self.result())
         except ImportError:
             log.info("loss plot skipped: matplotlib is not installed")
-        except PlotterFailed as e:
+        except Exception as e:  # the plot is a convenience: the run itself has finished
             log.warning("loss plot failed: %s", e)
 
 

@@ -1,8 +1,8 @@
 """Generate text from a snapshot alone (local or any fsspec URL, e.g. s3://).
 
-    python sample.py snapshot=snapshots/cpu prompt="ROMEO:" max_new_tokens=500 temperature=0.8 top_k=40 seed=1
+    python sample.py snapshot=snapshots/quickstart prompt="ROMEO:" max_new_tokens=500 temperature=0.8 top_k=40 seed=1
     python sample.py snapshot=s3://bucket/run1/snapshot-000005000.pt num_samples=3
-    python sample.py snapshot=snapshots/cpu prompt_file=prompt.txt top_k=null
+    python sample.py snapshot=snapshots/quickstart prompt_file=prompt.txt top_k=null
 
 `snapshot` is a snapshot file, or a snapshot folder (its newest valid snapshot is used). Settings are Hydra-style
 overrides of `sample_cfg.yaml`. The same seed gives the same text (on the same device).
@@ -99,11 +99,12 @@ def _brief(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def one_cpu_thread() -> Iterator[None]:
-    """torch's CPU ops on one thread meanwhile: at the end of a run the plotter's process draws on another core,
-    and an op split over two threads would wait for the one that shares its core (generation ~2x slower)."""
+def one_core_spared() -> Iterator[None]:
+    """torch's CPU ops on one thread fewer meanwhile: at the end of a run the plotter's process draws on a core of
+    its own, and an op split over every core's thread would wait for the one that shares it (on 2 cores, ~2x
+    slower)."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, previous - 1))
     try:
         yield
     finally:

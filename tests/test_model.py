@@ -125,9 +125,17 @@ def test_generate_is_reproducible_and_respects_top_k():
 
 
 def test_generate_beyond_block_size_crops_context():
+    """Keys and values are cached while the context fits, and the window is recomputed once it slides: each greedy
+    token is the argmax of a plain forward over the last block_size tokens, from a prompt longer than the block."""
     gpt = tiny_gpt(block_size=8).eval()
     out = gpt.generate(torch.zeros(1, 1, dtype=torch.long), 20, generator=torch.Generator().manual_seed(0))
     assert out.shape == (1, 21)
+    prompt = torch.randint(0, 65, (2, 11))
+    greedy = gpt.generate(prompt, 12, top_k=1)
+    for t in range(11, greedy.size(1)):
+        logits, _ = gpt(greedy[:, max(0, t - 8) : t])
+        assert torch.equal(greedy[:, t], logits[:, -1].argmax(-1)), t
+    assert gpt.train().generate(prompt, 3).shape == (2, 14)  # train mode: the plain forward, dropout and all
 
 
 def test_dropout_is_active_only_in_training():
