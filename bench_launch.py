@@ -46,7 +46,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-PROJECT_DIR = Path(__file__).resolve().parent
+from chaos import children, rank_of, wait_until
+from char_dataset import PROJECT_DIR
+
 OURS = ["main.py", "preset=nanogpt_cpu", "trainer_config.max_steps=1"]
 NANOGPT = ["train.py", "config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
            "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
@@ -196,32 +198,14 @@ def is_step_line(line: str) -> bool:
 
 def worker_pids(agent: int) -> dict[int, int]:
     """{global rank: pid} of the agent's worker processes."""
-    workers = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            if parent != agent:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except (OSError, ValueError):
-            continue
-        if b"RANK" in env:
-            workers[int(env[b"RANK"])] = int(entry)
-    return workers
+    return {rank: pid for pid in children(agent) if (rank := rank_of(pid)) is not None}
 
 
 def wait_for_new_workers(agent: int, old: set[int], count: int, timeout_s: float = 120) -> float:
     """When `count` workers that are not `old` are all running (polled every 10 ms): torchrun's share of a restart."""
-    deadline = time.perf_counter() + timeout_s
-    while time.perf_counter() < deadline:
-        if len(set(worker_pids(agent).values()) - old) >= count:
-            return time.perf_counter()
-        time.sleep(0.01)
-    raise SystemExit("torchrun started no new workers")
+    if not wait_until(lambda: len(set(worker_pids(agent).values()) - old) >= count, timeout_s, interval=0.01):
+        raise SystemExit("torchrun started no new workers")
+    return time.perf_counter()
 
 
 def bench_restart(kills: int, overrides: list[str]) -> dict:

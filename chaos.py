@@ -94,19 +94,20 @@ def _snapshot_steps(snaps: Path) -> list[int]:
     return sorted(step for n in names if (step := snapshot_step(n)) is not None)
 
 
-def _children(pid: int) -> list[int]:
-    children = []
+def children(pid: int) -> list[int]:
+    """The live direct children of a process (torchrun's workers), from /proc."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if int(fields[1]) == pid and fields[0] != "Z":
-            children.append(int(stat.parent.name))
-    return sorted(children)
+            found.append(int(stat.parent.name))
+    return sorted(found)
 
 
-def _rank_of(pid: int) -> Optional[int]:
+def rank_of(pid: int) -> Optional[int]:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
@@ -125,7 +126,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _wait(predicate: Callable[[], object], timeout: float, interval: float = 0.002) -> object:
+def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.002) -> object:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -199,7 +200,7 @@ class Job:
         log.close()
 
     def workers(self) -> list[int]:
-        return _children(self.process.pid) if self.process is not None else []
+        return children(self.process.pid) if self.process is not None else []
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -257,7 +258,7 @@ class Attempt:
 
 def _new_attempt(job: Job, previous: list[int], timeout: float) -> Optional[Attempt]:
     """Wait until the job's workers are (re)started: all nproc of them, none of the previous ones."""
-    workers = _wait(lambda: (w := job.workers()) and len(w) == job.nproc and not set(w) & set(previous) and w
+    workers = wait_until(lambda: (w := job.workers()) and len(w) == job.nproc and not set(w) & set(previous) and w
                     or (not job.running() and "ended"), timeout, interval=0.005)
     if not workers or workers == "ended":
         return None
@@ -290,7 +291,7 @@ def _strike(job: Job, attempt: Attempt, kill: Kill, restart: str, rng: random.Ra
     if kill.target == "startup":
         time.sleep(rng.uniform(0.05, 0.9) * startup_s)
     elif kill.target == "step":
-        if not _wait(lambda: seen() or ended(), 600) or ended():
+        if not wait_until(lambda: seen() or ended(), 600) or ended():
             return False
         recent = [r.get("ms_per_step", 50.0) for r in attempt.train_rows()[-3:]]
         time.sleep(rng.random() * sum(recent) / len(recent) / 1000)
@@ -302,10 +303,10 @@ def _strike(job: Job, attempt: Attempt, kill: Kill, restart: str, rng: random.Ra
                 return False
             return not any("val_loss" in r and r["step"] == train[-1]["step"] for r in rows)
 
-        if not _wait(lambda: at_eval() or ended(), 600, interval=0.001) or ended():
+        if not wait_until(lambda: at_eval() or ended(), 600, interval=0.001) or ended():
             return False
     elif kill.target == "save":
-        if not _wait(lambda: (seen() and attempt.new_tmp()) or ended(), 600, interval=0.0005) or ended():
+        if not wait_until(lambda: (seen() and attempt.new_tmp()) or ended(), 600, interval=0.0005) or ended():
             return False
     if not job.running():
         return False
@@ -315,13 +316,13 @@ def _strike(job: Job, attempt: Attempt, kill: Kill, restart: str, rng: random.Ra
         victims = job.kill_all()  # the agent and all its workers at once: a lost node
         kill.killed = "agent+workers"
     else:
-        by_rank = {_rank_of(pid): pid for pid in attempt.workers}
+        by_rank = {rank_of(pid): pid for pid in attempt.workers}
         rank = 0 if kill.target == "save" else rng.randrange(job.nproc)  # rank 0 is the one that writes
         victim = by_rank.get(rank, attempt.workers[0])
         os.kill(victim, signal.SIGKILL)
         victims = [victim]
         kill.killed = f"rank {rank}"
-    _wait(lambda: not any(_alive(pid) for pid in victims), 10)
+    wait_until(lambda: not any(_alive(pid) for pid in victims), 10)
     kill.hit, kill.detail = _classify(attempt, pre_tmp, pre_last)
     if pre_last is not None:
         kill.step = pre_last["step"]
@@ -365,7 +366,7 @@ def run_trial(index: int, folder: Path, restart: str, targets: list[str], rng: r
                 break
             if n + 1 < len(targets) and targets[n + 1] == "startup":
                 continue  # strike again before this attempt has even resumed
-            _wait(lambda: attempt.base_step() is not None or not job.running(), timeout, interval=0.02)
+            wait_until(lambda: attempt.base_step() is not None or not job.running(), timeout, interval=0.02)
             _settle(pending, attempt.base_step())
         if job.process is not None:
             trial.exit_code = job.process.wait(timeout=timeout)
@@ -412,7 +413,7 @@ def run_reference(folder: Path, nproc: int, steps: int, timeout: float, code: Pa
     started = time.monotonic()
     job.start()
     attempt = _new_attempt(job, [], timeout)
-    first_step = _wait(lambda: attempt is not None and attempt.train_rows() or not job.running(), timeout, 0.01)
+    first_step = wait_until(lambda: attempt is not None and attempt.train_rows() or not job.running(), timeout, 0.01)
     startup_s = time.monotonic() - started
     exit_code = job.process.wait(timeout=timeout)
     if exit_code != 0 or not first_step:

@@ -83,30 +83,34 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, width = x.shape
-        q, k, v = self.c_attn(x).split(width, dim=2)
-        # (B, T, C) -> (B, heads, T, head_dim)
-        q, k, v = (t.view(batch, time, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self._heads(x)
+        time = x.size(1)
         dropout_p = self.dropout if self.training else 0.0
         if self.attention == "matmul":
             y = causal_attention_matmul(q, k, v, self.causal_bias[:time, :time], dropout_p)
         else:
             y = causal_attention_sdpa(q, k, v, dropout_p)
-        y = y.transpose(1, 2).contiguous().view(batch, time, width)
-        return self.resid_dropout(self.c_proj(y))
-
+        return self.resid_dropout(self._merge(y))
 
     def extend(self, x: torch.Tensor, cache: dict) -> torch.Tensor:
         """Inference: the output for positions appended to those whose keys and values `cache` holds (it keeps
         them); an empty cache starts at position 0. Positions attend causally, as in `forward`."""
-        batch, time, width = x.shape
-        q, k, v = self.c_attn(x).split(width, dim=2)
-        q, k, v = (t.view(batch, time, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self._heads(x)
         if cache:  # one new position, which sees every cached one
             k, v = torch.cat((cache["k"], k), dim=2), torch.cat((cache["v"], v), dim=2)
         cache["k"], cache["v"] = k, v
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=time > 1)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(batch, time, width))
+        return self._merge(F.scaled_dot_product_attention(q, k, v, is_causal=x.size(1) > 1))
+
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of x (B, T, C) in one matmul, each as (B, heads, T, head_dim)."""
+        batch, time, width = x.shape
+        q, k, v = self.c_attn(x).split(width, dim=2)
+        return tuple(t.view(batch, time, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+
+    def _merge(self, y: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs (B, heads, T, head_dim) back to (B, T, C), through the output projection."""
+        batch, _, time, _ = y.shape
+        return self.c_proj(y.transpose(1, 2).contiguous().view(batch, time, -1))
 
 
 def causal_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:

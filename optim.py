@@ -72,23 +72,27 @@ class AdamW(torch.optim.AdamW):
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         with torch.set_grad_enabled(self.defaults["differentiable"]):  # what _use_grad_for_differentiable does
-            return _unwrapped(torch.optim.AdamW.step)(self, closure)
+            return _STEP(self, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        _unwrapped(torch.optim.Optimizer.zero_grad)(self, set_to_none)
+        _ZERO_GRAD(self, set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        _unwrapped(torch.optim.Optimizer.add_param_group)(self, param_group)
+        _ADD_PARAM_GROUP(self, param_group)
 
     def state_dict(self) -> dict[str, Any]:
-        return _unwrapped(torch.optim.Optimizer.state_dict)(self)
+        return _STATE_DICT(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _unwrapped(torch.optim.Optimizer.load_state_dict)(self, state_dict)
+        _LOAD_STATE_DICT(self, state_dict)
 
 
-def _unwrapped(method: Callable) -> Callable:
-    return inspect.unwrap(method)
+# The functions inside torch's wrappers, found once (not on every step).
+_STEP = inspect.unwrap(torch.optim.AdamW.step)
+_ZERO_GRAD = inspect.unwrap(torch.optim.Optimizer.zero_grad)
+_ADD_PARAM_GROUP = inspect.unwrap(torch.optim.Optimizer.add_param_group)
+_STATE_DICT = inspect.unwrap(torch.optim.Optimizer.state_dict)
+_LOAD_STATE_DICT = inspect.unwrap(torch.optim.Optimizer.load_state_dict)
 
 
 def build_optimizer(model: GPT, cfg: OptimizerConfig) -> AdamW:
