@@ -148,14 +148,11 @@ def run_plain_job(task_function: Callable[[DictConfig], None], args: list[str]) 
     split = split_hydra_flags(args)
     if split is None or split[0] or any(arg.lstrip("+~").startswith("hydra.mode") for arg in args):
         return False
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_automatic_config_search_path, run_and_report
+    from hydra._internal.utils import run_and_report
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
-    register()
-    search_path = create_automatic_config_search_path(str(PROJECT_DIR / "main.py"), None, ".")
-    hydra = Hydra.create_main_hydra2(task_name="main", config_search_path=search_path)
+    hydra = _main_hydra()
     try:
         try:
             cfg = hydra.compose_config(CONFIG_NAME, split[1], run_mode=RunMode.RUN, with_log_configuration=True)
@@ -172,6 +169,32 @@ def run_plain_job(task_function: Callable[[DictConfig], None], args: list[str]) 
     finally:
         GlobalHydra.instance().clear()
     return True
+
+
+def _main_hydra() -> Any:
+    """The Hydra instance `@hydra.main` makes for main.py (GlobalHydra: clear it when done)."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_automatic_config_search_path
+
+    register()
+    search_path = create_automatic_config_search_path(str(PROJECT_DIR / "main.py"), None, ".")
+    return Hydra.create_main_hydra2(task_name="main", config_search_path=search_path)
+
+
+def warm_up() -> None:
+    """Compose the default config once and forget it, for the fork server (forkserver.py): a process's first
+    composition costs about 0.3 s more than the next (Hydra's override grammar, plugin discovery, OmegaConf's
+    caches), and its forks inherit what it learnt. Nothing is written; a broken config is the workers' to report."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    try:
+        _main_hydra().compose_config(CONFIG_NAME, ["trainer_config.seed=0"], run_mode=RunMode.RUN,
+                                     with_log_configuration=False)
+    except Exception:
+        pass
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def _run_job(hydra: Any, cfg: DictConfig, task_function: Callable[[DictConfig], None]) -> None:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from errors import UsageError
+from orphans import agent_alive, agent_pid
 from stopping import exit_now
 
 log = logging.getLogger(__name__)
@@ -244,7 +245,7 @@ def _refuse_elastic_with_shared_store() -> None:
 def _agent_option(name: str) -> Optional[str]:
     """The value of option `name` on the command line of this worker's parent (its torchrun agent), if any."""
     try:
-        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        with open(f"/proc/{agent_pid()}/cmdline", "rb") as f:
             args = [a.decode(errors="replace") for a in f.read().split(b"\0")]
     except OSError:
         return None
@@ -292,7 +293,7 @@ def _parent_listens_on(port: int) -> bool:
         for row in rows:  # local address (hex ip:port), state 0A = LISTEN, inode
             if len(row) > 9 and row[3] == "0A" and int(row[1].rsplit(":", 1)[1], 16) == port:
                 listening.add(f"socket:[{row[9]}]")
-    fds = f"/proc/{os.getppid()}/fd"
+    fds = f"/proc/{agent_pid()}/fd"
     try:
         names = os.listdir(fds) if listening else []
     except OSError:
@@ -397,7 +398,6 @@ class _FailureWatch:
 
     def __init__(self, store: dist.Store, rank: int) -> None:
         self.store, self.rank = store, rank
-        self.parent = os.getppid()
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="mingpt-failure-watch", daemon=True)
 
@@ -407,7 +407,7 @@ class _FailureWatch:
         cls.instance.thread.start()
 
     def _watch(self) -> None:
-        while not self.stopped.wait(FAILURE_POLL_S) and os.getppid() == self.parent:
+        while not self.stopped.wait(FAILURE_POLL_S) and agent_alive():
             try:
                 failed = self.store.check([self.KEY])
             except Exception:  # the store's host is gone: the job is ending or the agent restarts it; not our call

@@ -11,9 +11,11 @@ process group exists) -> read the text -> set up the process group -> build GPT 
 
 from __future__ import annotations
 
-from orphans import exit_with_parent
+from forkserver import start_worker
 
-exit_with_parent()  # before the imports below: torch alone takes seconds, and the agent may die meanwhile
+# Before the imports below: under torchrun, die with the agent (torch alone takes seconds to import, and the agent
+# may die meanwhile), and run as a fork of the agent's fork server, which has imported everything once.
+start_worker()
 
 import atexit
 import dataclasses

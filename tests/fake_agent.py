@@ -1,0 +1,24 @@
+"""A stand-in for a torchrun agent, driven line by line from its standard input (tests/test_forkserver.py): it starts
+workers as torchrun does (Popen, a session of their own, the agent's environment plus the worker's variables) and
+reports their pids and exit codes, so that one agent, and so one fork server, serves several checks.
+
+    {"start": [argv...], "env": {...}, "log": "path"}   ->  {"pid": N}
+    {"wait": N}                                         ->  {"code": returncode}   (negative: the signal)
+End of input: the agent exits."""
+
+import json
+import subprocess
+import sys
+
+workers: dict[int, subprocess.Popen] = {}
+for line in sys.stdin:
+    order = json.loads(line)
+    if "start" in order:
+        with open(order["log"], "w") as log:
+            worker = subprocess.Popen(order["start"], env=order["env"], stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        workers[worker.pid] = worker
+        reply = {"pid": worker.pid}
+    else:
+        reply = {"code": workers[order["wait"]].wait()}
+    print(json.dumps(reply), flush=True)
