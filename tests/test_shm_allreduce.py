@@ -1,9 +1,14 @@
-"""Gradients averaged through /dev/shm: the same numbers as gloo, a fallback that needs no help, nothing left behind."""
+"""Gradients averaged through /dev/shm: the same numbers as gloo, a fallback that needs no help, nothing left behind;
+the barrier and the stop flag in shared memory."""
 
 import json
 import os
 import subprocess
+import threading
+import time
 
+import pytest
+import torch
 from support import TINY, assert_ok, cli, run_cli, standalone, subprocess_env
 
 from reporting import read_metrics
@@ -50,3 +55,54 @@ def test_training_through_shared_memory_equals_gloo_bit_for_bit(tmp_path):
            if "weights identical on all 2 rank(s)" in line]
     assert len(sha) == 2 and sha[0] == sha[1]
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("mingpt-")]
+
+
+def _ranks_in_threads(world: int, n: int) -> list:
+    """`world` reducers over plain memory, as ranks in threads of this process would use them (spinning barrier)."""
+    import numpy as np
+
+    from shm_allreduce import PID, START, SharedMemoryAllReduce, _start_time
+
+    halves = [[torch.zeros(n) for _ in range(world)] for _ in range(2)]
+    controls = [np.zeros(8, dtype=np.int64) for _ in range(world)]
+    for control in controls:
+        control[PID], control[START] = os.getpid(), _start_time(os.getpid())
+    return [SharedMemoryAllReduce(halves, controls, rank, None, spin=True) for rank in range(world)]
+
+
+def test_the_stop_flag_rides_on_the_reduction_and_every_rank_stops_after_the_same_step():
+    """stopping.CarriedVote: rank 1 is asked to stop after step 2; step 3's reduction carries it, and both ranks
+    agree after step 3 (as StopVote's one-step-later agreement), with exact averages all along."""
+    from stopping import CarriedVote
+
+    reducers = _ranks_in_threads(2, 1001)
+    seen: dict[int, list] = {0: [], 1: []}
+
+    def rank(r: int) -> None:
+        vote = CarriedVote(reducers[r])
+        for step in range(1, 6):
+            mine = torch.full((1001,), float(step * (r + 1)))
+            got = reducers[r].average(mine)
+            seen[r].append((torch.equal(got, torch.full((1001,), step * 1.5)), vote.cast(r == 1 and step == 2)))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    expected = [(True, False), (True, False), (True, True), (True, False), (True, False)]
+    assert seen == {0: expected, 1: expected}
+
+
+def test_a_rank_whose_peer_process_is_gone_raises_instead_of_waiting():
+    """gloo would notice the closed connection; the shared-memory barrier looks for the peer's process."""
+    from shm_allreduce import PID
+
+    reducers = _ranks_in_threads(2, 16)
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    reducers[0].controls[1][PID] = ended.pid  # rank 1 is now a process that has ended (and been reaped)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"rank 1 \\(process {ended.pid}\\) is gone"):
+        reducers[0].average(torch.ones(16))
+    assert time.monotonic() - started < 2

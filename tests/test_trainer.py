@@ -166,3 +166,24 @@ def test_a_snapshot_older_than_the_epoch_order_finishes_its_epoch_in_its_own_ord
             later.unlink()
     with pytest.raises(UsageError, match=r"epoch order 'feistel-9' is unknown to this version"):
         make_trainer(snapshots=tmp_path / "old", **common).fit()
+
+
+@pytest.mark.parametrize("max_norm", [1e9, 0.05])  # nothing clipped; everything clipped
+def test_clipping_gives_torchs_bits_by_the_short_way(max_norm):
+    """parallel.clip_grad_norm's CPU path (no grouping, no multiplication by 1) against torch.nn.utils."""
+    from parallel import clip_grad_norm
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=11, block_size=8))
+    _, loss = model(torch.randint(0, 11, (4, 8)), torch.randint(0, 11, (4, 8)))
+    loss.backward()
+    params = list(model.parameters())
+    grads = [p.grad.clone() for p in params]
+    expected_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    expected = [p.grad.clone() for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    norm = clip_grad_norm(params, max_norm)
+    assert torch.equal(norm, expected_norm)
+    assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))
+    assert (max_norm < norm.item()) == any(not torch.equal(p.grad, g) for p, g in zip(params, grads))
