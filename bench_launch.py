@@ -3,7 +3,7 @@ program's own log reports it, against nanoGPT's train.py.
 
     python bench_launch.py --only startup                    # start-up: 5 launches of 1 step, median and spread
     python bench_launch.py --only startup --nanogpt ../nanoGPT   # ... alternating with nanoGPT's train.py (paired)
-    python bench_launch.py --only restart --kills 5          # restart latency: 2 CPU processes under torchrun
+    python bench_launch.py --only restart --kills 3 --restart-rounds 4   # restarts, with and without the fork server
     python bench_launch.py --only step --nanogpt ../nanoGPT  # the step: whole runs of both, alternating
     python bench_launch.py --nanogpt ../nanoGPT --json r.json    # all three; also write the numbers as JSON
 
@@ -19,8 +19,12 @@ cache.
 **restart**: `torchrun --standalone --nproc_per_node=2 --max-restarts=K main.py preset=nanogpt_cpu` with a
 snapshot every 5 steps; once it has taken 15 steps since its last (re)start, one worker (rank 1 and rank 0 in turn)
 is SIGKILLed. Latency: from the kill to the first step logged after torchrun's restart (the step's own time
-included), and its parts: to the new rank 0's first log line (torchrun noticing, stopping the other worker,
-rendezvous, the new processes' imports and config), to "resumed from" (data, process group, model, snapshot).
+included), and its parts: to the new worker processes (torchrun noticing, stopping the other worker), to the new
+rank 0's first log line (the new processes' start: a fork of the fork server, or imports; config, data, process
+group), to "resumed from" (model, DDP, snapshot). Each round runs two such jobs, with the fork server
+(forkserver.py) and without it (MINGPT_FORKSERVER=0), the order swapped every round; reported: each one's
+latencies and the median of the per-round ratios of their medians, and the same for the launch itself (from
+starting torchrun to the first step logged).
 
 **step** (needs `--nanogpt`): 240-step runs of both programs on nanoGPT's CPU recipe, in turn, the order swapped
 every round; each program's own step times for steps 30-210 (nanoGPT: `--log_interval=1`, its per-iteration
@@ -208,19 +212,50 @@ def wait_for_new_workers(agent: int, old: set[int], count: int, timeout_s: float
     return time.perf_counter()
 
 
-def bench_restart(kills: int, overrides: list[str]) -> dict:
+def bench_restart(kills: int, overrides: list[str], rounds: int = 1) -> dict:
+    """`rounds` x 2 jobs, one with the fork server and one without (forkserver.py; MINGPT_FORKSERVER=0), the order
+    swapped every round, `kills` kills each; their latencies and the median of the per-round ratios."""
+    results: dict[str, list[dict]] = {"forkserver": [], "no_forkserver": []}
+    ratios, launch_ratios = [], []
+    for index in range(rounds):
+        order = ["forkserver", "no_forkserver"] if index % 2 == 0 else ["no_forkserver", "forkserver"]
+        medians = {}
+        for name in order:
+            print(f"round {index + 1}, {name.replace('_', ' ')}:", file=sys.stderr)
+            each = restart_job(kills, overrides, {"MINGPT_FORKSERVER": "1" if name == "forkserver" else "0"})
+            results[name] += each
+            medians[name] = statistics.median(r["latency_s"] for r in each)
+        ratios.append(medians["no_forkserver"] / medians["forkserver"])
+        launch_ratios.append(results["no_forkserver"][-1]["launch_s"] / results["forkserver"][-1]["launch_s"])
+    report = {"command": " ".join(["torchrun", "--standalone", "--nproc_per_node=2", f"--max-restarts={kills}",
+                                   "main.py", "preset=nanogpt_cpu", "..."]), "kills": kills, "rounds": rounds}
+    for name, each in results.items():
+        report[name] = {part: spread([r[part] for r in each])
+                        for part in ("latency_s", "to_new_processes_s", "to_first_line_s", "to_resumed_s")}
+        report[name]["launch_s"] = spread([r["launch_s"] for r in each[::kills]])  # one launch a job
+        report[name]["each"] = each
+    report["speedup_of_forkserver"] = spread(ratios)
+    report["launch_speedup_of_forkserver"] = spread(launch_ratios)
+    return report
+
+
+def restart_job(kills: int, overrides: list[str], env: dict[str, str]) -> list[dict]:
+    """One torchrun job, `kills` workers SIGKILLed in turn: each kill's latency and its parts."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-restart-"))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             f"--max-restarts={kills}", "main.py", "preset=nanogpt_cpu", "trainer_config.max_steps=100000",
             "trainer_config.log_every_steps=1", "trainer_config.progress=lines", "trainer_config.save_every_steps=5",
             "trainer_config.eval_every_steps=0", f"trainer_config.snapshot_path={scratch}/snapshots",
             f"hydra.run.dir={scratch}/run", *overrides]
+    launched_at = time.perf_counter()
     job = subprocess.Popen(argv, cwd=PROJECT_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
+                           start_new_session=True, env={**os.environ, **env})
     watcher = LogWatcher(job.stdout)
     results = []
     try:
         position, _, _ = watcher.wait_for(0, lambda line: "run directory:" in line, 120)
+        _, first_step_at, _ = watcher.wait_for(position, is_step_line, 120)
+        print(f"launch: first step after {first_step_at - launched_at:.2f} s", file=sys.stderr)
         for kill in range(kills):
             for _ in range(15):
                 position, _, _ = watcher.wait_for(position + 1, is_step_line, 120)
@@ -234,7 +269,8 @@ def bench_restart(kills: int, overrides: list[str]) -> dict:
             up, up_at, _ = watcher.wait_for(kill_index, lambda line: "run directory:" in line, 120)
             resumed, resumed_at, _ = watcher.wait_for(up, lambda line: "resumed from" in line, 120)
             position, step_at, line = watcher.wait_for(resumed, is_step_line, 120)
-            results.append({"killed_rank": victim_rank, "latency_s": step_at - killed_at,
+            results.append({"killed_rank": victim_rank, "launch_s": first_step_at - launched_at,
+                            "latency_s": step_at - killed_at,
                             "to_new_processes_s": spawned_at - killed_at,
                             "to_first_line_s": up_at - killed_at, "to_resumed_s": resumed_at - killed_at})
             parts = {"new processes": spawned_at, "first line": up_at, "resumed": resumed_at}
@@ -244,11 +280,7 @@ def bench_restart(kills: int, overrides: list[str]) -> dict:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
         shutil.rmtree(scratch, ignore_errors=True)
-    return {"command": " ".join(["torchrun", *argv[3:6], "main.py", "preset=nanogpt_cpu", "..."]), "kills": kills,
-            "latency_s": spread([r["latency_s"] for r in results]),
-            "to_new_processes_s": spread([r["to_new_processes_s"] for r in results]),
-            "to_first_line_s": spread([r["to_first_line_s"] for r in results]),
-            "to_resumed_s": spread([r["to_resumed_s"] for r in results]), "each": results}
+    return results
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -257,7 +289,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--step-rounds", type=int, default=5, help="step rounds (default 5)")
     parser.add_argument("--rounds", type=int, default=5, help="start-up rounds (default 5)")
     parser.add_argument("--nanogpt", type=Path, default=None, help="a nanoGPT checkout to compare with")
-    parser.add_argument("--kills", type=int, default=5, help="restarts to time (default 5)")
+    parser.add_argument("--kills", type=int, default=5, help="restarts to time per job (default 5)")
+    parser.add_argument("--restart-rounds", type=int, default=1,
+                        help="restart rounds, each a job with the fork server and one without (default 1)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for main.py")
     args = parser.parse_args(argv)
@@ -271,7 +305,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.only in (None, "startup"):
         report["startup"] = bench_startup(args.rounds, args.nanogpt, args.overrides)
     if args.only in (None, "restart"):
-        report["restart"] = bench_restart(args.kills, args.overrides)
+        report["restart"] = bench_restart(args.kills, args.overrides, args.restart_rounds)
     if args.only in (None, "step") and args.nanogpt is not None:
         report["step"] = bench_step(args.step_rounds, args.nanogpt, args.overrides)
     elif args.only == "step":

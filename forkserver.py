@@ -108,10 +108,16 @@ def _connect(name: bytes, agent: int) -> Optional[socket.socket]:
         try:
             sock.connect(name)
             return sock
-        except (ConnectionRefusedError, FileNotFoundError):
+        except (ConnectionRefusedError, FileNotFoundError):  # no server (yet)
             sock.close()
+        except OSError:  # anything else: no server for this worker
+            sock.close()
+            return None
         if not started:
-            _start_server(name, agent)
+            try:
+                _start_server(name, agent)
+            except OSError:
+                return None
             started = True
         if time.monotonic() > deadline:
             return None
@@ -148,7 +154,7 @@ def _request(connection: socket.socket, replies: Replies) -> dict:
         connection.settimeout(REPLY_S)
         socket.send_fds(connection, [HEADER.pack(len(body)) + body], [0, 1, 2])
         return replies.next() or {"refused": "the fork server ended without a reply"}
-    except OSError as error:
+    except (OSError, ValueError) as error:
         return {"refused": f"the fork server did not answer ({error})"}
 
 
@@ -391,16 +397,21 @@ def source_stamps(paths: Iterable[str]) -> dict[str, tuple[int, int]]:
 
 def _receive_request(connection: socket.socket) -> tuple[dict, list[int]]:
     data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
-    if len(data) < HEADER.size:
-        raise ValueError("short request")
-    (size,) = HEADER.unpack_from(data)
-    body = bytearray(data[HEADER.size:])
-    while len(body) < size:
-        more = connection.recv(size - len(body))
-        if not more:
-            raise ValueError("truncated request")
-        body += more
-    return json.loads(body), fds
+    try:
+        if len(data) < HEADER.size:
+            raise ValueError("short request")
+        (size,) = HEADER.unpack_from(data)
+        body = bytearray(data[HEADER.size:])
+        while len(body) < size:
+            more = connection.recv(size - len(body))
+            if not more:
+                raise ValueError("truncated request")
+            body += more
+        return json.loads(body), fds
+    except (OSError, ValueError):
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def _send(connection: socket.socket, message: dict) -> None:
@@ -445,6 +456,7 @@ def become_worker(request: dict, fds: list[int], connection: socket.socket, clie
     sys.path[:] = request["path"]
     _rebuild_standard_streams(request["streams"])
     orphans.served_by(agent)
+    connection.settimeout(None)  # the server's timeout: a slow read must not look like the client's death
     follow = threading.Thread(target=_follow_client, args=(connection, client), name="mingpt-client", daemon=True)
     follow.start()
     _run_main(request["main"])

@@ -13,7 +13,8 @@
 # 2. The default gpt2_train_cfg.yaml model on the one GPU, evaluated every 250 steps: the elapsed training time at
 #    which the validation loss first reaches nanoGPT's best tiny-shakespeare result, 1.4697 (TARGET=...).
 # 3. The NCCL code paths under torchrun (one process): StopVote's device all-reduce every step, the failure watch,
-#    the end together; SIGTERM after step 100 must stop it after the next step with a snapshot (run-nccl/).
+#    the end together; SIGTERM after step 100 must stop it after the next step with a snapshot (run-nccl/). The
+#    worker runs as a fork of the fork server (forkserver.py): no refusal line may appear, CUDA starts in the fork.
 # 4. strategy=fsdp on the GPU (FSDP2 over a group of one under torchrun, NCCL, bf16 parameters / fp32 reduction):
 #    bench.py of the step-1 model under ddp, fsdp and fsdp + activation_checkpointing=blocks, each with 2 sharded
 #    or single-file saves (bench-ddp.json, bench-fsdp.json, bench-fsdp-ac.json: state_bytes_per_rank, CUDA max
@@ -74,6 +75,10 @@ kill -TERM "$NCCL_JOB" 2>/dev/null || true
 wait "$NCCL_JOB" || true
 grep -q "saved (stop requested" "$OUT/run-nccl/launch.log" && echo "NCCL run: stopped by SIGTERM with a snapshot" \
     || { echo "error: the NCCL run did not stop with a snapshot: see $OUT/run-nccl/launch.log" >&2; exit 1; }
+if grep -q "forkserver:" "$OUT/run-nccl/launch.log"; then  # a refusal (CUDA touched while the server imported?)
+    echo "error: the fork server did not serve the CUDA worker: see $OUT/run-nccl/launch.log" >&2; exit 1
+fi
+echo "NCCL run: the worker was a fork of torchrun's fork server (forkserver.py), CUDA first initialised in the fork"
 
 BIG="gpt_config.n_layer=12 gpt_config.n_head=12 gpt_config.n_embd=768 gpt_config.dropout=0.0 trainer_config.batch_size=64
      trainer_config.mixed_precision=bf16"
