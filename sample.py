@@ -1,8 +1,8 @@
 """Generate text from a snapshot alone (local or any fsspec URL, e.g. s3://).
 
-    python sample.py snapshot=snapshots/quickstart prompt="ROMEO:" max_new_tokens=500 temperature=0.8 top_k=40 seed=1
+    python sample.py snapshot=snapshots/cpu-quickstart prompt="ROMEO:" max_new_tokens=500 temperature=0.8 top_k=40 seed=1
     python sample.py snapshot=s3://bucket/run1/snapshot-000005000.pt num_samples=3
-    python sample.py snapshot=snapshots/quickstart prompt_file=prompt.txt top_k=null
+    python sample.py snapshot=snapshots/cpu-quickstart prompt_file=prompt.txt top_k=null
 
 `snapshot` is a snapshot file, or a snapshot folder (its newest valid snapshot is used). Settings are Hydra-style
 overrides of `sample_cfg.yaml`. The same seed gives the same text (on the same device).
