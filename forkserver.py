@@ -335,8 +335,9 @@ class Server:
         changed = [path for path, stamp in source_stamps(self.sources).items() if self.sources[path] != stamp]
         if changed:
             return f"the project's code changed since the fork server started ({os.path.basename(changed[0])})"
-        differing = sorted(name for name in set(request["env"]) | set(self.environment)
-                           if request["env"].get(name) != self.environment.get(name) and not _per_worker(name))
+        env = request.get("env", {})
+        differing = sorted(name for name in set(env) | set(self.environment)
+                           if env.get(name) != self.environment.get(name) and not _per_worker(name))
         if differing:
             return f"the worker's environment differs from the fork server's in {', '.join(differing[:3])}"
         return None

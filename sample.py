@@ -1,6 +1,6 @@
 """Generate text from a snapshot alone (local or any fsspec URL, e.g. s3://).
 
-    python sample.py snapshot=snapshots/cpu-quickstart prompt="ROMEO:" max_new_tokens=500 temperature=0.8 top_k=40 seed=1
+    python sample.py snapshot=snapshots/cpu-quickstart prompt="ROMEO:" max_new_tokens=500 top_k=40 seed=1
     python sample.py snapshot=s3://bucket/run1/snapshot-000005000.pt num_samples=3
     python sample.py snapshot=snapshots/cpu-quickstart prompt_file=prompt.txt top_k=null
 

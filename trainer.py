@@ -557,9 +557,7 @@ class Trainer:
     def _clipped_parameters(self) -> list[nn.Parameter]:
         """The model's parameters, listed once (model.parameters() walks every module: 50 us a step); under FSDP
         every step, as FSDP swaps the registered parameters around its forward and backward passes."""
-        if self.parallel.sharded:
-            return list(self.raw_model.parameters())
-        if self._parameters is None:
+        if self._parameters is None or self.parallel.sharded:
             self._parameters = list(self.raw_model.parameters())
         return self._parameters
 
