@@ -19,8 +19,9 @@ The server refuses (the client then starts as an ordinary process, and local ran
 - a project source file changed since the server imported it (the server then leaves; the next worker starts a
   new one), another interpreter, another sys.path.
 Lifetimes: the server leaves once its agent has exited (a pidfd) and its last child has ended. A child is
-SIGKILLed when its client dies (a SIGKILLed worker takes its child with it, as torchrun expects); a client ends
-when its child does. The socket is abstract (no file to clean up) and takes connections from this user only.
+SIGKILLed when its client dies (a SIGKILLed worker takes its child with it, as torchrun expects; the server sees
+to it when the child is stopped); a client ends when its child does. The socket is abstract (no file to clean
+up) and takes connections from this user only.
 """
 
 from __future__ import annotations
@@ -251,6 +252,7 @@ class Server:
         self.poller.register(listener, select.POLLIN)
         self.poller.register(self.agent_fd, select.POLLIN)
         self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, connection to its client)
+        self.clients: dict[int, int] = {}  # a client's pidfd -> its child's pidfd
         self.accepting = True
         self.broken: Optional[str] = None
         self.environment = dict(os.environ)
@@ -293,6 +295,8 @@ class Server:
                     self.poller.unregister(self.agent_fd)
                 elif fd in self.children:
                     self._report_end(fd)
+                elif fd in self.clients:
+                    self._client_gone(fd)
 
     def _stop_accepting(self) -> None:
         if self.accepting:
@@ -355,6 +359,13 @@ class Server:
         pidfd = os.pidfd_open(pid)
         self.children[pidfd] = (pid, connection)
         self.poller.register(pidfd, select.POLLIN)
+        try:
+            client_fd = os.pidfd_open(client)
+        except ProcessLookupError:  # gone already
+            os.kill(pid, signal.SIGKILL)
+        else:
+            self.clients[client_fd] = pidfd
+            self.poller.register(client_fd, select.POLLIN)
         _send(connection, {"pid": pid})
 
     def _close_in_child(self) -> None:
@@ -362,11 +373,26 @@ class Server:
         for pidfd, (_, connection) in self.children.items():
             os.close(pidfd)
             connection.close()
+        for client_fd in self.clients:
+            os.close(client_fd)
         self.listener.close()
         os.close(self.agent_fd)
 
+    def _client_gone(self, client_fd: int) -> None:
+        """A child whose client died (SIGKILL) ends too: by itself when it sees its connection end, here even
+        when it is stopped (SIGSTOP) and cannot."""
+        child_fd = self.clients.pop(client_fd)
+        self.poller.unregister(client_fd)
+        os.close(client_fd)
+        if child_fd in self.children:
+            os.kill(self.children[child_fd][0], signal.SIGKILL)
+
     def _report_end(self, pidfd: int) -> None:
         pid, connection = self.children.pop(pidfd)
+        for client_fd in [c for c, child_fd in self.clients.items() if child_fd == pidfd]:
+            del self.clients[client_fd]
+            self.poller.unregister(client_fd)
+            os.close(client_fd)
         self.poller.unregister(pidfd)
         os.close(pidfd)
         _, status = os.waitpid(pid, 0)

@@ -131,7 +131,10 @@ class StopRequest:
                 self._vote.finish()  # no collective of the loop left behind (not after an error: a peer may be gone)
         finally:
             self._deadline.close()
-            if in_main_thread:
+            # A stop under way keeps its handler: SIGTERM can come again (a dying torchrun agent's PR_SET_PDEATHSIG
+            # fires once per thread of the agent as the worker is handed from one to the next), and must not end
+            # the process while it writes its snapshot.
+            if in_main_thread and self.signal is None:
                 signal.signal(signal.SIGTERM, previous)
 
     def agreed(self) -> bool:

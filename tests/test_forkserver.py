@@ -131,7 +131,9 @@ def test_signals_reach_the_child_and_its_end_is_the_workers(agent, tmp_path):
     os.kill(worker, signal.SIGCONT)
     wait_for(lambda: forkserver.process_state(child) not in ("T", ""), timeout=5, what="the child to go on")
 
-    # A SIGKILLed worker takes its child along (torchrun then starts a new one).
+    # A SIGKILLed worker takes its child along (torchrun then starts a new one), a stopped child too (the server).
+    os.kill(worker, signal.SIGSTOP)
+    wait_for(lambda: forkserver.process_state(child) == "T", timeout=5, what="the child to stop again")
     os.kill(worker, signal.SIGKILL)
     assert agent.wait(worker) == -signal.SIGKILL
     wait_for(lambda: not forkserver.process_state(child), timeout=5, what="the child to die with its worker")
@@ -174,3 +176,21 @@ def test_used_under_torchrun_unless_switched_off():
     assert not forkserver._applies()  # this process: not a torchrun worker (no TORCHELASTIC_RUN_ID)
     assert applies(TORCHELASTIC_RUN_ID="x") == "True"
     assert applies(TORCHELASTIC_RUN_ID="x", MINGPT_FORKSERVER="0") == "False"
+
+
+def test_a_stop_under_way_outlives_more_sigterms():
+    """A dying torchrun agent's PR_SET_PDEATHSIG comes once per thread of the agent: the worker, and so its fork, may
+    get SIGTERM again after it agreed to stop; that must not end it while it writes its snapshot."""
+    code = """if True:
+        import os, signal, time, torch
+        from stopping import StopRequest
+        stop = StopRequest(0, torch.device("cpu"), None, 5.0, lambda: None)
+        with stop.watch():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+            assert stop.agreed()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        print("still here")"""
+    result = subprocess.run([PYTHON, "-c", code], cwd=PROJECT_DIR, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout.strip()) == (0, "still here"), result.stderr[-2000:]
