@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from support import PYTHON, TINY, cli, free_port, logged_step, run_cli, subprocess_env, wait_for
+from support import PYTHON, TINY, child_pids, cli, free_port, logged_step, run_cli, subprocess_env, wait_for
 
 import forkserver
 from char_dataset import PROJECT_DIR
@@ -65,17 +65,6 @@ class Agent:
         return 0
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError):
-            pass
-    return found
-
-
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
     folder = tmp_path_factory.mktemp("agent")
@@ -116,7 +105,7 @@ def test_signals_reach_the_child_and_its_end_is_the_workers(agent, tmp_path):
     # SIGTERM to the worker: the child stops after its step with a snapshot and exits 0, as a fresh process does.
     worker, log = agent.start(train_args(tmp_path, "term", 100000))
     wait_for(lambda: logged_step(tmp_path / "term" / "run") >= 10, timeout=120, what="step 10")
-    (child,) = children(agent.server())
+    (child,) = child_pids(agent.server())
     os.kill(worker, signal.SIGTERM)
     assert agent.wait(worker) == 0, log.read_text()[-3000:]
     assert "stop requested (SIGTERM)" in log.read_text()
@@ -125,7 +114,7 @@ def test_signals_reach_the_child_and_its_end_is_the_workers(agent, tmp_path):
     # SIGSTOP cannot be passed on: the child follows its stopped worker, and its SIGCONT.
     worker, log = agent.start(train_args(tmp_path, "stop", 100000))
     wait_for(lambda: logged_step(tmp_path / "stop" / "run") >= 10, timeout=120, what="step 10")
-    (child,) = children(agent.server())
+    (child,) = child_pids(agent.server())
     os.kill(worker, signal.SIGSTOP)
     wait_for(lambda: forkserver.process_state(child) == "T", timeout=5, what="the child to stop")
     os.kill(worker, signal.SIGCONT)
@@ -141,7 +130,7 @@ def test_signals_reach_the_child_and_its_end_is_the_workers(agent, tmp_path):
     # A child that dies by a signal: its worker ends by the same signal, for torchrun to see.
     worker, log = agent.start(train_args(tmp_path, "oom", 100000))
     wait_for(lambda: logged_step(tmp_path / "oom" / "run") >= 5, timeout=120, what="step 5")
-    (child,) = children(agent.server())
+    (child,) = child_pids(agent.server())
     os.kill(child, signal.SIGKILL)  # as the OOM killer would
     assert agent.wait(worker) == -signal.SIGKILL
 
