@@ -11,7 +11,7 @@ client passes signals on to the child and ends as the child ends, with its exit 
     MINGPT_FORKSERVER=0 torchrun ...                                                  # off: each worker imports itself
 
 A child is what a fresh process would be: main.py runs as `__main__` with the client's argv, sys.path, environment,
-directory, umask and streams (buffering as the client's), in a session of its own. The server only imports (no
+directory, umask, CPU affinity and streams (buffering as the client's), in a session of its own. The server only imports (no
 tensor is made, no thread pool started, CUDA not initialised), so a fork carries no state a fresh import lacks.
 The server refuses (the client then starts as an ordinary process, and local rank 0 says why in one line):
 - an environment that differs from the server's in anything but torchrun's per-worker variables (rank, world
@@ -149,6 +149,7 @@ def _request(connection: socket.socket, replies: Replies) -> dict:
     main_file = os.path.realpath(sys.modules["__main__"].__file__)
     request = {"argv": sys.argv, "main": main_file, "path": sys.path, "cwd": os.getcwd(), "env": dict(os.environ),
                "umask": _umask(), "executable": sys.executable, "agent": os.getppid(),
+               "cpus": sorted(os.sched_getaffinity(0)),
                "streams": [_stream_settings(s) for s in (sys.stdin, sys.stdout, sys.stderr)]}
     body = json.dumps(request).encode()
     try:
@@ -316,7 +317,7 @@ class Server:
         except (OSError, ValueError):
             connection.close()
             return
-        refusal = self.refusal(request, fds)
+        refusal = self.refusal(request, fds) or _take_affinity(request.get("cpus"))
         if refusal is not None:
             _send(connection, {"refused": refusal})
             for fd in fds:
@@ -398,6 +399,16 @@ class Server:
         _, status = os.waitpid(pid, 0)
         _send(connection, {"status": status})
         connection.close()
+
+
+def _take_affinity(cpus: Any) -> Optional[str]:
+    """The accepting thread takes on the client's CPU affinity, for its fork to inherit: torchrun --numa-binding
+    binds each local rank to its own CPUs (numactl --physcpubind), and the server has only its first client's."""
+    try:
+        os.sched_setaffinity(0, cpus)
+    except (OSError, TypeError, ValueError) as error:
+        return f"the worker's CPU affinity {cpus} cannot be taken on ({error})"
+    return None
 
 
 def _per_worker(name: str) -> bool:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import uuid
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from support import PYTHON, TINY, child_pids, cli, free_port, logged_step, run_cli, subprocess_env, wait_for
@@ -38,12 +39,15 @@ class Agent:
         self.process.stdin.flush()
         return json.loads(self.process.stdout.readline())
 
-    def start(self, args: list[str], **env: str) -> tuple[int, Path]:
-        """A worker `python -u main.py ARGS` (torchrun's command line): its pid and its output's file."""
+    def start(self, args: list[str], cpus: Optional[set[int]] = None, **env: str) -> tuple[int, Path]:
+        """A worker `python -u main.py ARGS` (torchrun's command line), bound to `cpus` if given: its pid and its
+        output's file."""
         self.logs += 1
         log = self.folder / f"worker{self.logs}.log"
         worker_env = {**self.env, "MASTER_PORT": str(free_port()), **env}
-        return self._ask({"start": [PYTHON, "-u", *cli(args)[1:]], "env": worker_env, "log": str(log)})["pid"], log
+        order = {"start": [PYTHON, "-u", *cli(args)[1:]], "env": worker_env, "log": str(log),
+                 "cpus": sorted(cpus) if cpus else None}
+        return self._ask(order)["pid"], log
 
     def wait(self, pid: int) -> int:
         return self._ask({"wait": pid})["code"]
@@ -102,19 +106,25 @@ def test_a_served_worker_trains_and_reports_as_a_fresh_process(agent, tmp_path):
 
 
 def test_signals_reach_the_child_and_its_end_is_the_workers(agent, tmp_path):
+    # Each child keeps its worker's CPU binding (torchrun --numa-binding binds each local rank to its own CPUs).
+    allowed = sorted(os.sched_getaffinity(0))
+    first, last = {allowed[0]}, {allowed[-1]}
+
     # SIGTERM to the worker: the child stops after its step with a snapshot and exits 0, as a fresh process does.
-    worker, log = agent.start(train_args(tmp_path, "term", 100000))
+    worker, log = agent.start(train_args(tmp_path, "term", 100000), cpus=last)
     wait_for(lambda: logged_step(tmp_path / "term" / "run") >= 10, timeout=120, what="step 10")
     (child,) = child_pids(agent.server())
+    assert os.sched_getaffinity(child) == last
     os.kill(worker, signal.SIGTERM)
     assert agent.wait(worker) == 0, log.read_text()[-3000:]
     assert "stop requested (SIGTERM)" in log.read_text()
     assert list((tmp_path / "term" / "snaps").glob("snapshot-*.pt"))
 
     # SIGSTOP cannot be passed on: the child follows its stopped worker, and its SIGCONT.
-    worker, log = agent.start(train_args(tmp_path, "stop", 100000))
+    worker, log = agent.start(train_args(tmp_path, "stop", 100000), cpus=first)
     wait_for(lambda: logged_step(tmp_path / "stop" / "run") >= 10, timeout=120, what="step 10")
     (child,) = child_pids(agent.server())
+    assert os.sched_getaffinity(child) == first
     os.kill(worker, signal.SIGSTOP)
     wait_for(lambda: forkserver.process_state(child) == "T", timeout=5, what="the child to stop")
     os.kill(worker, signal.SIGCONT)
