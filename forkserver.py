@@ -11,8 +11,9 @@ client passes signals on to the child and ends as the child ends, with its exit 
     MINGPT_FORKSERVER=0 torchrun ...                                                  # off: each worker imports itself
 
 A child is what a fresh process would be: main.py runs as `__main__` with the client's argv, sys.path, environment,
-directory, umask, CPU affinity and streams (buffering as the client's), in a session of its own. The server only imports (no
-tensor is made, no thread pool started, CUDA not initialised), so a fork carries no state a fresh import lacks.
+directory, umask, CPU affinity and streams (buffering as the client's), in a session of its own. The server only
+imports (no tensor is made, no thread pool started, CUDA not initialised), so a fork carries no state a fresh import
+lacks.
 The server refuses (the client then starts as an ordinary process, and local rank 0 says why in one line):
 - an environment that differs from the server's in anything but torchrun's per-worker variables (rank, world
   size, master address, restart count, error file): a variable read at import time would be stale in a fork;
