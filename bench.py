@@ -217,13 +217,16 @@ def time_alternating(trainer: Trainer, baseline: NanoGPTLoop, steps: int) -> tup
 
 
 def time_scaling(trainer: Trainer, solo: Optional[Trainer], steps: int) -> tuple[list[float], list[float]]:
-    """Per round: rank 0 alone steps `solo` while the other ranks wait in a barrier, then all ranks step together."""
+    """Per round: rank 0 alone steps `solo` while the other ranks wait in a barrier, then all ranks step together,
+    twice: the first together step is not timed. It takes up what training never has: ranks released by a barrier
+    at different moments (gloo's threads wake 1-5 ms apart) and the idle ranks' cold caches."""
     together, alone = [], []
     for _ in range(steps):
         dist.barrier()
         if solo is not None:
             alone += time_steps(solo, 1)
         dist.barrier()
+        trainer.train_step()
         together += time_steps(trainer, 1)
     return together, alone
 

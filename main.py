@@ -56,7 +56,7 @@ from plot import LossPlotter
 from reporting import setup_logging
 from sample import generate_text, one_core_spared
 from snapshot import SnapshotStore
-from trainer import Trainer
+from trainer import Trainer, resolve_attention, resolve_precision
 
 log = logging.getLogger("mingpt")
 
@@ -66,10 +66,14 @@ def build_trainer(
     cfg: TrainConfig, corpus: CharCorpus, ctx: DistContext, run_dir: Optional[Path], with_snapshots: bool = True
 ) -> Trainer:
     """Model, optimizer, schedule, snapshot store and Trainer, exactly as a training run gets them (bench.py too)."""
-    gpt_cfg = dataclasses.replace(cfg.gpt_config, vocab_size=len(corpus.vocab), block_size=cfg.data_config.block_size)
+    block_size = cfg.data_config.block_size
+    amp_dtype = resolve_precision(cfg.trainer_config.mixed_precision, ctx.device)
+    attention = resolve_attention(cfg.gpt_config.attention, ctx.device, amp_dtype, block_size)
+    gpt_cfg = dataclasses.replace(cfg.gpt_config, vocab_size=len(corpus.vocab), block_size=block_size,
+                                  attention=attention)  # the snapshot records what ran, not "auto"
     torch.manual_seed(cfg.trainer_config.seed)  # identical initial weights on every rank
     model = GPT(gpt_cfg).to(ctx.device)
-    log.info("model: %s parameters", f"{model.num_params():,}")
+    log.info("model: %s parameters, %s attention", f"{model.num_params():,}", attention)
     optimizer = functools.partial(build_optimizer, cfg=cfg.optimizer_config)  # built once the model is wrapped
     schedule = functools.partial(_lr_at, opt_cfg=cfg.optimizer_config)
     tc = cfg.trainer_config

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from errors import UsageError
 
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "matmul")
+ATTENTION_IMPLEMENTATIONS = ("auto", "sdpa", "matmul")
 
 
 @dataclass
@@ -39,12 +39,13 @@ class GPTConfig:
     """biases in Linear and LayerNorm layers
 
     GPT-2 had them; without is slightly faster and as good."""
-    attention: str = "sdpa"
-    """sdpa (torch's fused kernels) or matmul (scores written out: faster compiled on a CPU, short T)
+    attention: str = "auto"
+    """auto (matmul on a CPU in bf16, else sdpa) | sdpa (torch's fused kernels) | matmul (scores written out)
 
     The same function either way. "sdpa": torch's fused scaled_dot_product_attention (flash kernels on GPU and
     CPU, memory linear in the context). "matmul": the (T x T) score matrix written out as matmuls and a softmax,
-    which torch.compile fuses; faster on a CPU for short contexts (see README)."""
+    which torch.compile fuses; faster on a CPU for short contexts (see README). "auto": the training run picks
+    (trainer.resolve_attention); a model built with "auto" as it is runs sdpa."""
     vocab_size: Optional[int] = None
     """set from the data; leave null"""
     block_size: Optional[int] = None

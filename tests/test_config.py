@@ -76,7 +76,7 @@ def test_overrides_apply_with_types():
 
 def test_cpu_preset():
     cfg = config.to_dataclasses(compose_cfg(["preset=cpu"]))
-    assert cfg.gpt_config.n_embd == 128 and cfg.trainer_config.mixed_precision == "fp32"
+    assert cfg.gpt_config.n_embd == 128 and cfg.trainer_config.mixed_precision == "auto"
     # command-line overrides still win over the preset
     cfg = config.to_dataclasses(compose_cfg(["preset=cpu", "trainer_config.max_steps=7"]))
     assert cfg.trainer_config.max_steps == 7

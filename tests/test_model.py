@@ -78,7 +78,7 @@ def test_matmul_attention_drops_attention_weights():
 
 
 def test_unknown_attention_is_a_usage_error():
-    with pytest.raises(UsageError, match="gpt_config.attention must be one of sdpa, matmul, got 'flash'"):
+    with pytest.raises(UsageError, match="gpt_config.attention must be one of auto, sdpa, matmul, got 'flash'"):
         GPTConfig(attention="flash")
 
 

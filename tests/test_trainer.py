@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+import trainer as trainer_module
 from char_dataset import CharCorpus, DataConfig
 from distributed import DistContext
 from errors import UsageError
@@ -16,6 +17,7 @@ from snapshot import SnapshotStore
 from trainer import (
     Trainer,
     TrainerConfig,
+    resolve_attention,
     resolve_precision,
     seed_dropout,
     validation_loss,
@@ -107,9 +109,11 @@ def test_bf16_on_cpu_trains():
     assert trainer.last_val_loss is not None and trainer.last_val_loss < 10
 
 
-def test_precision_resolution_on_cpu():
+def test_precision_resolution_on_cpu(monkeypatch):
     cpu = torch.device("cpu")
-    assert resolve_precision("auto", cpu) == torch.float32
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):  # bf16 only with bf16 instructions
+        monkeypatch.setattr(trainer_module, "cpu_has_native_bf16", lambda native=native: native)
+        assert resolve_precision("auto", cpu) == expected
     assert resolve_precision("bf16", cpu) == torch.bfloat16
     assert resolve_precision("fp16", cpu) == torch.float16
 
@@ -187,3 +191,31 @@ def test_clipping_gives_torchs_bits_by_the_short_way(max_norm):
     assert torch.equal(norm, expected_norm)
     assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))
     assert (max_norm < norm.item()) == any(not torch.equal(p.grad, g) for p, g in zip(params, grads))
+
+
+def test_attention_resolution():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_attention("auto", cpu, torch.bfloat16, 64) == "matmul"  # CPU flash backward is slow in bf16
+    assert resolve_attention("auto", cpu, torch.bfloat16, 1024) == "matmul"
+    assert resolve_attention("auto", cpu, torch.bfloat16, 2048) == "sdpa"  # (T x T) scores: memory
+    assert resolve_attention("auto", cpu, torch.float32, 64) == "sdpa"
+    assert resolve_attention("auto", gpu, torch.bfloat16, 64) == "sdpa"
+    assert resolve_attention("sdpa", cpu, torch.bfloat16, 64) == "sdpa"  # what the user set stands
+    assert resolve_attention("matmul", gpu, torch.float32, 4096) == "matmul"
+
+
+def test_a_default_run_on_a_bf16_cpu_records_what_ran(monkeypatch):
+    """mixed_precision=auto and attention=auto on a CPU with bf16 instructions: bf16 with matmul attention, and the
+    snapshot's model_config says matmul (sample.py rebuilds the model from it), not auto."""
+    import config
+    import main
+    from distributed import setup_distributed
+
+    monkeypatch.setattr(trainer_module, "cpu_has_native_bf16", lambda: True)
+    cfg = config.compose_config(["preset=nanogpt_cpu", "gpt_config.n_layer=1", "trainer_config.max_steps=2"])
+    corpus = CharCorpus.from_text(TEXT, DataConfig(block_size=cfg.data_config.block_size))
+    trainer = main.build_trainer(cfg, corpus, setup_distributed(), run_dir=None, with_snapshots=False)
+    assert trainer.amp_dtype == torch.bfloat16
+    assert trainer.checkpoints.metadata["model_config"]["attention"] == "matmul"
+    assert trainer.raw_model.transformer.h[0].attn.attention == "matmul"
+    trainer.train_step()
