@@ -170,7 +170,7 @@ def cpu_has_native_bf16() -> bool:
     return any(check is not None and check() for check in checks)
 
 
-MATMUL_ATTENTION_MAX_T = 1024  # measured up to here: matmul attention 1.28x against sdpa's 1.24x fp32's at T=1024
+MATMUL_ATTENTION_MAX_T = 1024  # measured up to here (README): at T=1024 in bf16, matmul 1.556x nanoGPT, sdpa 1.477x
 
 
 def resolve_attention(name: str, device: torch.device, amp_dtype: torch.dtype, block_size: int) -> str:

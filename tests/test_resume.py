@@ -10,11 +10,15 @@ from support import PROJECT_DIR, TINY, assert_ok, child_pids, logged_step, run_c
 
 import snapshot as snap
 from reporting import read_metrics
+from trainer import cpu_has_native_bf16
 
 
-def resume_args(snaps: Path, run_dir: Path, max_steps: int = 150, every: int = 10) -> list[str]:
+def resume_args(
+    snaps: Path, run_dir: Path, max_steps: int = 150, every: int = 10, precision: str = "fp32"
+) -> list[str]:
     return [
-        *TINY,
+        *(arg for arg in TINY if not arg.startswith("trainer_config.mixed_precision=")),
+        f"trainer_config.mixed_precision={precision}",
         f"trainer_config.max_steps={max_steps}",
         f"trainer_config.save_every_steps={every}",
         "trainer_config.eval_every_steps=50",
@@ -39,15 +43,17 @@ def several_files(tmp_path: Path) -> list[str]:
 
 def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
     """On a cached corpus of several files: the first run builds the cache, the killed one and its restart read
-    it; the weights and every logged value are those of the run that was not interrupted."""
+    it; the weights and every logged value are those of the run that was not interrupted. In the default precision
+    (bf16 autocast and matmul attention on a CPU with bf16 instructions, fp32 on others)."""
     data = several_files(tmp_path)
-    straight = run_cli([*resume_args(tmp_path / "snaps_a", tmp_path / "run_a", max_steps=100), *data], tmp_path,
-                       nproc=2)
+    straight = run_cli([*resume_args(tmp_path / "snaps_a", tmp_path / "run_a", max_steps=100, precision="auto"), *data],
+                       tmp_path, nproc=2)
     assert_ok(straight)
     assert "data: encoding" in straight.stdout and "of 4 files of" in straight.stdout
+    assert (", bfloat16, " in straight.stdout) == cpu_has_native_bf16()
 
-    job = start_cli([*resume_args(tmp_path / "snaps_b", tmp_path / "run_b", max_steps=100), *data], tmp_path,
-                    nproc=2, max_restarts=1)
+    job = start_cli([*resume_args(tmp_path / "snaps_b", tmp_path / "run_b", max_steps=100, precision="auto"), *data],
+                    tmp_path, nproc=2, max_restarts=1)
     wait_for(lambda: logged_step(tmp_path / "run_b") >= 35, timeout=120, what="step 35")
     workers = child_pids(job.pid)
     assert len(workers) == 2
