@@ -476,3 +476,21 @@ def test_sigterm_under_fsdp_stops_after_the_next_step_with_a_sharded_snapshot(tm
     resumed = reopen(lambda: make_trainer(tmp_path, max_steps=trainer.step + 2, save_every=1000))
     resumed.fit()
     assert resumed.trained_steps == 2
+
+
+
+def test_bf16_under_fsdp_on_a_cpu_keeps_fp32_state_and_resumes_bit_for_bit(tmp_path):
+    """bf16 is the default on a CPU with bf16 instructions: FSDP's mixed-precision policy on gloo (parameters
+    gathered in bf16, gradients reduced in fp32) keeps fp32 shards, and a sharded snapshot resumes to the bits of
+    the uninterrupted run."""
+    straight = make_trainer(tmp_path / "a", mixed_precision="bf16", max_steps=6, save_every_steps=3, dropout=0.0)
+    straight.fit()
+    assert not straight.scaler.is_enabled() and straight.last_val_loss < 10
+    assert all(p.dtype == torch.float32 for p in straight.raw_model.parameters())
+    (tmp_path / "b").mkdir()
+    os.rename(tmp_path / "a" / "snapshot-000000003.dcp", tmp_path / "b" / "snapshot-000000003.dcp")
+    resumed = reopen(lambda: make_trainer(tmp_path / "b", mixed_precision="bf16", max_steps=6, save_every_steps=3,
+                                          dropout=0.0))
+    resumed.fit()
+    assert resumed.trained_steps == 3
+    assert_same_weights(full_weights(resumed), full_weights(straight))
