@@ -165,7 +165,7 @@ CASES: dict[str, Case] = {
         r"gpt_config\.dropout must be in \[0, 1\), got 1\.5"),
     "config: unknown attention implementation": Case(
         ["gpt_config.attention=flash"],
-        r"gpt_config\.attention must be one of sdpa, matmul, got 'flash'"),
+        r"gpt_config\.attention must be one of auto, sdpa, matmul, got 'flash'"),
     "config: unknown strategy": Case(
         ["trainer_config.strategy=zero3"],
         r"trainer_config\.strategy must be one of ddp, fsdp, got 'zero3'"),
