@@ -478,7 +478,6 @@ def test_sigterm_under_fsdp_stops_after_the_next_step_with_a_sharded_snapshot(tm
     assert resumed.trained_steps == 2
 
 
-
 def test_bf16_under_fsdp_on_a_cpu_keeps_fp32_state_and_resumes_bit_for_bit(tmp_path):
     """bf16 is the default on a CPU with bf16 instructions: FSDP's mixed-precision policy on gloo (parameters
     gathered in bf16, gradients reduced in fp32) keeps fp32 shards, and a sharded snapshot resumes to the bits of

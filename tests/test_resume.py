@@ -17,8 +17,8 @@ def resume_args(
     snaps: Path, run_dir: Path, max_steps: int = 150, every: int = 10, precision: str = "fp32"
 ) -> list[str]:
     return [
-        *(arg for arg in TINY if not arg.startswith("trainer_config.mixed_precision=")),
-        f"trainer_config.mixed_precision={precision}",
+        *TINY,
+        f"trainer_config.mixed_precision={precision}",  # after TINY's: the last override of a key wins
         f"trainer_config.max_steps={max_steps}",
         f"trainer_config.save_every_steps={every}",
         "trainer_config.eval_every_steps=50",

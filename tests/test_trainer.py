@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
-import trainer as trainer_module
+import config
+import main
 from char_dataset import CharCorpus, DataConfig
-from distributed import DistContext
+from distributed import DistContext, setup_distributed
 from errors import UsageError
 from model import GPT, GPTConfig
 from optim import OptimizerConfig, build_optimizer, learning_rate
@@ -112,7 +113,7 @@ def test_bf16_on_cpu_trains():
 def test_precision_resolution_on_cpu(monkeypatch):
     cpu = torch.device("cpu")
     for native, expected in ((True, torch.bfloat16), (False, torch.float32)):  # bf16 only with bf16 instructions
-        monkeypatch.setattr(trainer_module, "cpu_has_native_bf16", lambda native=native: native)
+        monkeypatch.setattr("trainer.cpu_has_native_bf16", lambda native=native: native)
         assert resolve_precision("auto", cpu) == expected
     assert resolve_precision("bf16", cpu) == torch.bfloat16
     assert resolve_precision("fp16", cpu) == torch.float16
@@ -207,11 +208,7 @@ def test_attention_resolution():
 def test_a_default_run_on_a_bf16_cpu_records_what_ran(monkeypatch):
     """mixed_precision=auto and attention=auto on a CPU with bf16 instructions: bf16 with matmul attention, and the
     snapshot's model_config says matmul (sample.py rebuilds the model from it), not auto."""
-    import config
-    import main
-    from distributed import setup_distributed
-
-    monkeypatch.setattr(trainer_module, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("trainer.cpu_has_native_bf16", lambda: True)
     cfg = config.compose_config(["preset=nanogpt_cpu", "gpt_config.n_layer=1", "trainer_config.max_steps=2"])
     corpus = CharCorpus.from_text(TEXT, DataConfig(block_size=cfg.data_config.block_size))
     trainer = main.build_trainer(cfg, corpus, setup_distributed(), run_dir=None, with_snapshots=False)
