@@ -40,7 +40,7 @@ class GPTConfig:
 
     GPT-2 had them; without is slightly faster and as good."""
     attention: str = "auto"
-    """auto (matmul on a CPU in bf16, else sdpa) | sdpa (torch's fused kernels) | matmul (scores written out)
+    """auto (matmul on a CPU in bf16 at short contexts) | sdpa (torch's fused kernels) | matmul (scores written out)
 
     The same function either way. "sdpa": torch's fused scaled_dot_product_attention (flash kernels on GPU and
     CPU, memory linear in the context). "matmul": the (T x T) score matrix written out as matmuls and a softmax,

@@ -170,17 +170,25 @@ def cpu_has_native_bf16() -> bool:
     return any(check is not None and check() for check in checks)
 
 
-MATMUL_ATTENTION_MAX_T = 1024  # measured up to here (README): at T=1024 in bf16, matmul 1.556x nanoGPT, sdpa 1.477x
+# Up to which context "auto" writes the scores out (README, the default precision): measured at 64-1,024.
+MATMUL_ATTENTION_MAX_T = 1024  # with dropout: at T=1024 matmul 1.447x nanoGPT, sdpa (its math fallback) 1.235x
+MATMUL_ATTENTION_MAX_T_NO_DROPOUT = 256  # without: torch's flash kernel wins from 512 on (1.33x against 1.09-1.18x)
 
 
-def resolve_attention(name: str, device: torch.device, amp_dtype: torch.dtype, block_size: int) -> str:
-    """The attention implementation for a `gpt_config.attention` setting: "auto" is matmul on a CPU in bf16 (torch's
-    CPU flash-attention backward is 4.7x slower in bf16 than in fp32 here: 4.7 ms against 1.0 ms a call at T=64)
-    up to contexts of MATMUL_ATTENTION_MAX_T (the score matrices grow with T^2), and sdpa everywhere else."""
+def resolve_attention(name: str, device: torch.device, amp_dtype: torch.dtype, block_size: int,
+                      dropout: float) -> str:
+    """The attention implementation for a `gpt_config.attention` setting: "auto" is matmul on a CPU in bf16 for
+    short contexts and sdpa everywhere else. torch's CPU flash kernel is slow in bf16 at short contexts (its backward
+    4.7x fp32's at T=64) and fast at long ones, where the written-out (T x T) scores cost more than they save; and it
+    takes no dropout (aten/src/ATen/native/transformers/sdp_utils_cpp.cpp, use_flash_attention_cpp:
+    check_for_dropout), so with dropout sdpa runs its math fallback, which writes the scores out too, more slowly
+    than matmul does: the crossing is at a longer context with dropout than without."""
     if name != "auto":
         return name
-    short = block_size <= MATMUL_ATTENTION_MAX_T
-    return "matmul" if device.type == "cpu" and amp_dtype == torch.bfloat16 and short else "sdpa"
+    if device.type != "cpu" or amp_dtype != torch.bfloat16:
+        return "sdpa"
+    longest = MATMUL_ATTENTION_MAX_T if dropout > 0 else MATMUL_ATTENTION_MAX_T_NO_DROPOUT
+    return "matmul" if block_size <= longest else "sdpa"
 
 
 def _batch_as_is(batch: torch.Tensor) -> torch.Tensor:

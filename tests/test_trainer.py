@@ -196,13 +196,15 @@ def test_clipping_gives_torchs_bits_by_the_short_way(max_norm):
 
 def test_attention_resolution():
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert resolve_attention("auto", cpu, torch.bfloat16, 64) == "matmul"  # CPU flash backward is slow in bf16
-    assert resolve_attention("auto", cpu, torch.bfloat16, 1024) == "matmul"
-    assert resolve_attention("auto", cpu, torch.bfloat16, 2048) == "sdpa"  # (T x T) scores: memory
-    assert resolve_attention("auto", cpu, torch.float32, 64) == "sdpa"
-    assert resolve_attention("auto", gpu, torch.bfloat16, 64) == "sdpa"
-    assert resolve_attention("sdpa", cpu, torch.bfloat16, 64) == "sdpa"  # what the user set stands
-    assert resolve_attention("matmul", gpu, torch.float32, 4096) == "matmul"
+    assert resolve_attention("auto", cpu, torch.bfloat16, 64, 0.0) == "matmul"  # CPU flash backward is slow in bf16
+    assert resolve_attention("auto", cpu, torch.bfloat16, 256, 0.0) == "matmul"
+    assert resolve_attention("auto", cpu, torch.bfloat16, 512, 0.0) == "sdpa"  # flash wins at long contexts
+    assert resolve_attention("auto", cpu, torch.bfloat16, 1024, 0.2) == "matmul"  # with dropout sdpa writes them too
+    assert resolve_attention("auto", cpu, torch.bfloat16, 2048, 0.2) == "sdpa"  # (T x T) scores: memory
+    assert resolve_attention("auto", cpu, torch.float32, 64, 0.0) == "sdpa"
+    assert resolve_attention("auto", gpu, torch.bfloat16, 64, 0.0) == "sdpa"
+    assert resolve_attention("sdpa", cpu, torch.bfloat16, 64, 0.0) == "sdpa"  # what the user set stands
+    assert resolve_attention("matmul", gpu, torch.float32, 4096, 0.0) == "matmul"
 
 
 def test_a_default_run_on_a_bf16_cpu_records_what_ran(monkeypatch):
