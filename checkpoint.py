@@ -50,11 +50,13 @@ class Cadence:
 
 @dataclass
 class Restored:
-    """What `restore()` found: the snapshot's URL, the number of processes that wrote it and their strategy."""
+    """What `restore()` found: the snapshot's URL, the number of processes that wrote it, their strategy and the
+    attention implementation that ran."""
 
     url: str
     world_size: int
     strategy: str  # the strategy it was trained under (older snapshots: ddp)
+    attention: Optional[str] = None  # model_config.attention ("auto" in snapshots from before it was resolved)
 
 
 class Checkpointer:
@@ -156,7 +158,8 @@ class Checkpointer:
                 obj.load_state_dict(snap[key])
         self._last_saved_step = entry.step
         strategy = snap.get("strategy", "fsdp" if entry.sharded else "ddp")
-        return Restored(url=self.store.url(entry.name), world_size=snap["world_size"], strategy=strategy)
+        return Restored(url=self.store.url(entry.name), world_size=snap["world_size"], strategy=strategy,
+                        attention=snap["model_config"].get("attention"))
 
     def _load_shards(self, snap: dict) -> None:
         """Collective. A sharded snapshot into the stateful objects: DCP fills what their `named_state_dict()` holds

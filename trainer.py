@@ -405,6 +405,10 @@ def log_resumed(trainer: Trainer, restored: Restored) -> None:
     if restored.strategy != t.cfg.strategy:
         log.info("snapshot was trained under strategy=%s: its weights and optimizer state continue under %s",
                  restored.strategy, t.cfg.strategy)
+    attention = t.checkpoints.metadata.get("model_config", {}).get("attention")
+    if attention is not None and restored.attention not in (None, "auto", attention):  # same function, other rounding
+        log.warning("snapshot was trained with %s attention, this run uses %s (gpt_config.attention): training "
+                    "continues, but not bit-for-bit as the snapshot's run would have", restored.attention, attention)
 
 
 def log_plan(trainer: Trainer) -> None:

@@ -132,10 +132,13 @@ def test_damaged_newest_snapshot_falls_back_and_foreign_one_is_refused(tmp_path)
     assert_ok(first)
     newest = snaps / snap.snapshot_name(20)
     newest.write_bytes(newest.read_bytes()[:5000])  # truncated, e.g. by a full disk outside our control
-    resumed = run_cli(resume_args(snaps, run_dir, max_steps=30), tmp_path)
+    # (The same launch checks that another attention implementation than the snapshot's is said, once.)
+    resumed = run_cli([*resume_args(snaps, run_dir, max_steps=30), "gpt_config.attention=matmul"], tmp_path)
     assert_ok(resumed)
     assert "skipping snapshot" in resumed.stdout + resumed.stderr
     assert f"resumed from {snaps}/{snap.snapshot_name(10)}" in resumed.stdout
+    said = "snapshot was trained with sdpa attention, this run uses matmul (gpt_config.attention)"
+    assert (resumed.stdout + resumed.stderr).count(said) == 1
 
     before = {p.name: p.read_bytes() for p in snaps.iterdir()}
     foreign = run_cli([*resume_args(snaps, run_dir, max_steps=40), "gpt_config.n_layer=3"], tmp_path)
