@@ -68,8 +68,7 @@ def build_trainer(
     """Model, optimizer, schedule, snapshot store and Trainer, exactly as a training run gets them (bench.py too)."""
     block_size = cfg.data_config.block_size
     amp_dtype = resolve_precision(cfg.trainer_config.mixed_precision, ctx.device)
-    attention = resolve_attention(cfg.gpt_config.attention, ctx.device, amp_dtype, block_size,
-                                  cfg.gpt_config.dropout)
+    attention = resolve_attention(cfg.gpt_config.attention, ctx.device, amp_dtype, block_size, cfg.gpt_config.dropout)
     gpt_cfg = dataclasses.replace(cfg.gpt_config, vocab_size=len(corpus.vocab), block_size=block_size,
                                   attention=attention)  # the snapshot records what ran, not "auto"
     torch.manual_seed(cfg.trainer_config.seed)  # identical initial weights on every rank
