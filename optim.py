@@ -6,10 +6,9 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -60,45 +59,10 @@ class OptimizerConfig:
             )
 
 
-class AdamW(torch.optim.AdamW):
-    """torch's AdamW, minus an import: torch.optim.Optimizer wraps step, zero_grad, add_param_group, state_dict and
-    load_state_dict (`_use_grad_for_differentiable`, `@torch._disable_dynamo` in torch/optim/optimizer.py) so that
-    a compiled region never traces them, and the wrappers import torch._dynamo at their first call: 1.2-2 s, a
-    quarter of a short run's start, in a process that compiles nothing. These methods call the functions inside
-    the wrappers (`inspect.unwrap`, through functools' `__wrapped__`), as the wrappers themselves do outside a
-    compiled region: the same arithmetic and state_dict (tests/test_optim.py). The optimizer is never compiled
-    here (`compile` compiles the model), so nothing is lost. A torch whose methods carry no `__wrapped__` gets its
-    own methods, wrappers and all."""
-
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        with torch.set_grad_enabled(self.defaults["differentiable"]):  # what _use_grad_for_differentiable does
-            return _STEP(self, closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        _ZERO_GRAD(self, set_to_none)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        _ADD_PARAM_GROUP(self, param_group)
-
-    def state_dict(self) -> dict[str, Any]:
-        return _STATE_DICT(self)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _LOAD_STATE_DICT(self, state_dict)
-
-
-# The functions inside torch's wrappers, found once (not on every step).
-_STEP = inspect.unwrap(torch.optim.AdamW.step)
-_ZERO_GRAD = inspect.unwrap(torch.optim.Optimizer.zero_grad)
-_ADD_PARAM_GROUP = inspect.unwrap(torch.optim.Optimizer.add_param_group)
-_STATE_DICT = inspect.unwrap(torch.optim.Optimizer.state_dict)
-_LOAD_STATE_DICT = inspect.unwrap(torch.optim.Optimizer.load_state_dict)
-
-
-def build_optimizer(model: GPT, cfg: OptimizerConfig) -> AdamW:
-    """AdamW over the model's decay/no-decay groups, with the fused kernel on CUDA and CPU alike: one pass over
-    each parameter's memory per step instead of ~10 (README, Benchmarks); the same algorithm and state_dict."""
-    return AdamW(
+def build_optimizer(model: GPT, cfg: OptimizerConfig) -> torch.optim.AdamW:
+    """torch's AdamW over the model's decay/no-decay groups, with the fused kernel on CUDA and CPU alike (CPU since
+    torch 2.4): one pass over each parameter's memory per step instead of ~10; the same algorithm and state_dict."""
+    return torch.optim.AdamW(
         model.param_groups(cfg.weight_decay),
         lr=cfg.learning_rate,
         betas=(cfg.beta1, cfg.beta2),

@@ -1,14 +1,11 @@
 import copy
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from char_dataset import PROJECT_DIR
 from errors import UsageError
 from model import GPT, GPTConfig
-from optim import AdamW, OptimizerConfig, build_optimizer, learning_rate
+from optim import OptimizerConfig, build_optimizer, learning_rate
 
 
 def test_schedule_warms_up_then_decays_to_floor():
@@ -46,41 +43,6 @@ def test_optimizer_groups_and_fused_kernel_match_reference_adamw():
             optimizer.zero_grad(set_to_none=True)
     for (name, p), q in zip(gpt.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
-
-
-def test_adamw_is_torchs_without_importing_dynamo():
-    """optim.AdamW calls the functions inside torch.optim's wrappers: the same bits and state_dict as
-    torch.optim.AdamW, each loads the other's state, hooks still run, and torch._dynamo stays unimported (checked in
-    a fresh interpreter: in this one, another test may have imported it)."""
-    def train(optimizer_class: type) -> tuple[GPT, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=11, block_size=8, dropout=0.0))
-        optimizer = optimizer_class(model.param_groups(0.1), lr=1e-2, fused=True)
-        idx = torch.randint(0, 11, (2, 8))
-        for _ in range(3):
-            model(idx, idx)[1].backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return model, optimizer
-
-    ours, theirs = train(AdamW), train(torch.optim.AdamW)
-    for a, b in zip(ours[0].state_dict().values(), theirs[0].state_dict().values()):
-        assert torch.equal(a, b)
-    mine, torchs = ours[1].state_dict(), theirs[1].state_dict()
-    assert mine["param_groups"] == torchs["param_groups"] and mine["state"].keys() == torchs["state"].keys()
-    for key in mine["state"]:
-        assert all(torch.equal(mine["state"][key][k], torchs["state"][key][k]) for k in ("step", "exp_avg"))
-    theirs[1].load_state_dict(mine)
-    ours[1].load_state_dict(torchs)
-    steps = []
-    ours[1].register_step_post_hook(lambda optimizer, args, kwargs: steps.append(1))
-    ours[1].step()
-    assert steps == [1]
-    code = ("import sys, torch; from optim import AdamW; p = torch.nn.Parameter(torch.ones(3)); o = AdamW([p]);"
-            "p.grad = torch.ones(3); o.step(); o.zero_grad(); o.load_state_dict(o.state_dict());"
-            "print('torch._dynamo' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_DIR, capture_output=True, text=True)
-    assert result.stdout.strip() == "False", result.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
