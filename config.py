@@ -13,10 +13,10 @@ import json
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf
 
 from char_dataset import PROJECT_DIR, DataConfig
 from distributed import global_rank
@@ -135,81 +135,14 @@ def composition_error(error: Exception) -> UsageError:
     return UsageError(f"{first_line(error)}{detail}")
 
 
-def run_plain_job(task_function: Callable[[DictConfig], None], args: list[str]) -> bool:
-    """Run the one job of a command line of overrides only (no Hydra flag, no `hydra.mode`) as `@hydra.main` runs
-    it, composing the config once instead of three times (about 0.5 s of every start); False for any other command
-    line, or a config that sets `hydra.mode` to MULTIRUN itself, which are then `@hydra.main`'s.
-
-    `@hydra.main` composes once to learn the mode (Hydra.get_mode) and again to run (Hydra.run), after the
-    pre-check's composition. This is Hydra.run of hydra-core 1.3.8 (pinned; hydra/_internal/hydra.py, and its
-    caller _run_hydra/_run_app in hydra/_internal/utils.py: the search path, `hydra.mode=RUN`, the callbacks,
-    run_job), with the pre-check in between: the composed config is checked (keys, types, values) before
-    run_job makes the run directory, and a composition error is one line."""
-    split = split_hydra_flags(args)
-    if split is None or split[0] or any(arg.lstrip("+~").startswith("hydra.mode") for arg in args):
-        return False
-    from hydra._internal.utils import run_and_report
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.types import RunMode
-
-    hydra = _main_hydra()
-    try:
-        try:
-            cfg = hydra.compose_config(CONFIG_NAME, split[1], run_mode=RunMode.RUN, with_log_configuration=True)
-        except Exception as e:  # as in precheck_config_overrides
-            raise composition_error(e) from None
-        if cfg.hydra.mode not in (None, RunMode.RUN):  # a config file asks for a sweep: Hydra's own path
-            return False
-        to_dataclasses(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]))
-        if cfg.hydra.mode is None:  # as _run_app adds it
-            with read_write(cfg.hydra), open_dict(cfg.hydra):
-                cfg.hydra.mode = RunMode.RUN
-                cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
-        run_and_report(lambda: _run_job(hydra, cfg, task_function))  # Hydra's report of a failure, as Hydra.run's
-    finally:
-        GlobalHydra.instance().clear()
-    return True
-
-
-def _main_hydra() -> Any:
-    """The Hydra instance `@hydra.main` makes for main.py (GlobalHydra: clear it when done)."""
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_automatic_config_search_path
-
-    register()
-    search_path = create_automatic_config_search_path(str(PROJECT_DIR / "main.py"), None, ".")
-    return Hydra.create_main_hydra2(task_name="main", config_search_path=search_path)
-
-
 def warm_up() -> None:
     """Compose the default config once and forget it, for the fork server (forkserver.py): a process's first
     composition costs about 0.3 s more than the next (Hydra's override grammar, plugin discovery, OmegaConf's
     caches), and its forks inherit what it learnt. Nothing is written; a broken config is the workers' to report."""
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.types import RunMode
-
     try:
-        _main_hydra().compose_config(CONFIG_NAME, ["trainer_config.seed=0"], run_mode=RunMode.RUN,
-                                     with_log_configuration=False)
+        precheck_config_overrides(CONFIG_NAME, ["trainer_config.seed=0"])
     except Exception:
         pass
-    finally:
-        GlobalHydra.instance().clear()
-
-
-def _run_job(hydra: Any, cfg: DictConfig, task_function: Callable[[DictConfig], None]) -> None:
-    """The rest of Hydra.run (hydra-core 1.3.8) once the config is composed."""
-    from hydra._internal.callbacks import Callbacks
-    from hydra.core.utils import run_job
-    from hydra.types import HydraContext
-
-    callbacks = Callbacks(cfg)
-    callbacks.on_run_start(config=cfg, config_name=CONFIG_NAME)
-    done = run_job(hydra_context=HydraContext(config_loader=hydra.config_loader, callbacks=callbacks),
-                   task_function=task_function, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
-                   configure_logging=True)
-    callbacks.on_run_end(config=cfg, config_name=CONFIG_NAME, job_return=done)
-    _ = done.return_value  # raises what the job raised, as Hydra.run does
 
 
 def precheck_overrides(overrides: list[str]) -> None:
