@@ -1,4 +1,6 @@
-"""One fork server per torchrun agent: a worker, and every restarted worker, starts without importing anything.
+"""An opt-in for small CPU machines (MINGPT_FORKSERVER=1): one fork server per torchrun agent, so that a worker, and
+every restarted worker, starts without importing anything. Off by default: each worker is then the process
+torchrun started, as torchrun, SLURM's accounting, py-spy and nvidia-smi expect.
 
 torchrun starts each worker, and each worker again after a failure, as a new interpreter; importing torch, Hydra,
 the project and torch._dynamo (which DDP imports) costs 3-4 s of CPU per process, every time. Here the first worker
@@ -7,8 +9,8 @@ one too, is then a thin *client*, the process torchrun sees: it hands its comman
 directory, umask and standard streams to the server, which forks a *child* that runs main.py as `__main__`. The
 client passes signals on to the child and ends as the child ends, with its exit code or by its signal.
 
-    torchrun --standalone --nproc_per_node=2 --max-restarts=3 main.py preset=cpu   # used under torchrun
-    MINGPT_FORKSERVER=0 torchrun ...                                                  # off: each worker imports itself
+    MINGPT_FORKSERVER=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 main.py preset=cpu   # on
+    torchrun ...                                                  # off (the default): each worker imports itself
 
 A child is what a fresh process would be: main.py runs as `__main__` with the client's argv, sys.path, environment,
 directory, umask, CPU affinity and streams (buffering as the client's), in a session of its own. The server only
@@ -43,7 +45,7 @@ from typing import Any, Iterable, Optional
 import orphans
 
 PROJECT_DIR = os.path.dirname(os.path.realpath(__file__))
-SWITCH = "MINGPT_FORKSERVER"  # "0": every worker imports on its own
+SWITCH = "MINGPT_FORKSERVER"  # "1": workers are forks of the agent's server; anything else: torchrun's own workers
 # What torchrun sets per worker and per attempt; read at run time only, so a fork may differ from the server in it.
 PER_WORKER = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
                         "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -78,14 +80,14 @@ def start_worker() -> None:
     if "pid" not in reply:
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"forkserver: {reply.get('refused', 'no reply')}; this worker starts on its own "
-                  f"({SWITCH}=0 turns the server off)", file=sys.stderr, flush=True)
+                  f"(unset {SWITCH} to start every worker so)", file=sys.stderr, flush=True)
         connection.close()
         return
     _relay_until_child_ends(connection, replies, reply["pid"])
 
 
 def _applies() -> bool:
-    return (os.environ.get(SWITCH, "1") != "0" and "TORCHELASTIC_RUN_ID" in os.environ
+    return (os.environ.get(SWITCH, "0") == "1" and "TORCHELASTIC_RUN_ID" in os.environ
             and sys.platform.startswith("linux") and hasattr(os, "pidfd_open") and os.getppid() != 1)
 
 
@@ -277,8 +279,8 @@ class Server:
 
             config.warm_up()
 
-            if torch.cuda.is_initialized():
-                self.broken = "CUDA was initialised while importing"
+            if torch.cuda.is_initialized() or cuda_driver_loaded():
+                self.broken = "the CUDA driver was loaded while importing: a fork could not use the GPU"
         except BaseException as error:  # noqa: BLE001 (reported to every client instead)
             self.broken = f"the fork server could not import the project: {type(error).__name__}: {error}"
         finally:
@@ -400,6 +402,17 @@ class Server:
         _, status = os.waitpid(pid, 0)
         _send(connection, {"status": status})
         connection.close()
+
+
+def cuda_driver_loaded(maps: str = "/proc/self/maps") -> bool:
+    """Whether the CUDA driver's library (libcuda.so) is mapped into this process. cuInit loads it, and a driver
+    initialised before fork() is unusable in the child; torch.cuda.is_initialized() misses a cuInit made outside
+    torch's lazy init (an NVML fallback in device_count()). Not loaded: nothing touched the driver."""
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            return any(os.path.basename(line.split()[-1]).startswith("libcuda.so") for line in f if "/" in line)
+    except OSError:
+        return True  # cannot tell: refuse rather than hand out broken forks
 
 
 def _take_affinity(cpus: Any) -> Optional[str]:

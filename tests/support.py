@@ -43,6 +43,7 @@ def subprocess_env(tmp_path: Path) -> dict[str, str]:
     env.pop("RANK", None)
     env.pop("TORCHELASTIC_RUN_ID", None)
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # tests run the commands as the README gives them
+    env.pop("MINGPT_FORKSERVER", None)  # the default path (a test that wants the opt-in sets it)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

@@ -26,8 +26,9 @@ class Agent:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.env = {**subprocess_env(folder), "TORCHELASTIC_RUN_ID": f"test-{uuid.uuid4().hex[:8]}",
-                    "TORCHELASTIC_RESTART_COUNT": "0", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0",
+        self.env = {**subprocess_env(folder), forkserver.SWITCH: "1",  # the opt-in
+                    "TORCHELASTIC_RUN_ID": f"test-{uuid.uuid4().hex[:8]}", "TORCHELASTIC_RESTART_COUNT": "0",
+                    "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0",
                     "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
         self.process = subprocess.Popen([PYTHON, str(Path(__file__).parent / "fake_agent.py")], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True)
@@ -166,15 +167,30 @@ def test_what_a_fork_would_get_wrong_is_refused_and_started_as_usual(agent, tmp_
     assert agent.server() not in (0, server)
 
 
-def test_used_under_torchrun_unless_switched_off():
+def test_used_under_torchrun_only_when_switched_on():
     def applies(**env: str) -> str:
         check = subprocess.run([PYTHON, "-c", "import forkserver; print(forkserver._applies())"], cwd=PROJECT_DIR,
                                env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
         return check.stdout.strip()
 
     assert not forkserver._applies()  # this process: not a torchrun worker (no TORCHELASTIC_RUN_ID)
-    assert applies(TORCHELASTIC_RUN_ID="x") == "True"
+    assert applies(TORCHELASTIC_RUN_ID="x") == "False"  # the default: torchrun's own workers
     assert applies(TORCHELASTIC_RUN_ID="x", MINGPT_FORKSERVER="0") == "False"
+    assert applies(TORCHELASTIC_RUN_ID="x", MINGPT_FORKSERVER="1") == "True"
+    assert applies(MINGPT_FORKSERVER="1") == "False"  # not under torchrun
+
+
+@pytest.mark.parametrize("library, loaded", [("libcuda.so.1", True), ("libcuda.so.580.159.04", True),
+                                             ("libnvidia-ml.so.1", False), ("libcudart.so.12", False)])
+def test_a_server_whose_cuda_driver_is_loaded_refuses(tmp_path, library, loaded):
+    """A driver initialised while the server imported (an NVML fallback in device_count() calls cuInit without
+    setting torch.cuda.is_initialized()) would make every fork unusable for CUDA: the driver's library in the
+    server's memory map is the sign; the runtime (cudart) and NVML alone are not."""
+    maps = tmp_path / "maps"
+    maps.write_text("7f0000000000-7f0000001000 r-xp 00000000 fd:01 42  /usr/lib/python3.12/lib-dynload/_ssl.so\n"
+                    f"7f0000002000-7f0000003000 r-xp 00000000 fd:01 43  /usr/lib/x86_64-linux-gnu/{library}\n")
+    assert forkserver.cuda_driver_loaded(str(maps)) is loaded
+    assert forkserver.cuda_driver_loaded() is False  # this process: no CUDA driver on this machine
 
 
 def test_a_stop_under_way_outlives_more_sigterms():
