@@ -31,6 +31,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 from char_dataset import EPOCH_ORDER, LEGACY_ORDER, ResumableDistributedSampler, check_location
 from checkpoint import Cadence, Checkpointer, Restored
+from compat import cpu_has_native_bf16
 from distributed import DistContext
 from errors import UsageError
 from parallel import (
@@ -83,11 +84,11 @@ class TrainerConfig:
     """torch.compile the model
 
     The first step compiles (~40 s on a CPU); then ~10% faster there."""
-    shared_memory_allreduce: bool = True
-    """CPU ranks on one host average gradients through /dev/shm, not gloo's TCP
+    shared_memory_allreduce: bool = False
+    """opt-in: CPU ranks on one host average gradients through /dev/shm, not gloo's TCP
 
-    Falls back to gloo when the ranks span hosts or /dev/shm lacks room; false = always gloo. No effect on GPUs
-    (NCCL)."""
+    A spin barrier in shared memory, for small CPU machines (docs: the CPU notes); falls back to gloo when the ranks
+    span hosts or /dev/shm lacks room. No effect on GPUs (NCCL)."""
     seed: int = 1337
     """seeds weights, data order and dropout"""
     eval_every_steps: int = 500
@@ -160,14 +161,6 @@ def resolve_precision(name: str, device: torch.device) -> torch.dtype:
         raise UsageError(f"mixed_precision=bf16 is not supported on {torch.cuda.get_device_name(device)} "
                          f"(no bf16 tensor cores, only slow emulation); use fp16 or auto")
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles): there a bf16 matmul runs at 2-2.5x
-    fp32's (2048^3: 401 against 160 GFLOP/s on this machine's EPYC); elsewhere oneDNN converts in software, slower
-    than fp32."""
-    checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
-    return any(check is not None and check() for check in checks)
 
 
 # Up to which context "auto" writes the scores out (README, the default precision): measured at 64-1,024.
