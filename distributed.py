@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from compat import abort_process_group
 from errors import UsageError
 from orphans import agent_alive, agent_pid
 from stopping import exit_now
@@ -307,6 +308,17 @@ def _parent_listens_on(port: int) -> bool:
     return False
 
 
+def cuda_device(local_rank: int) -> torch.device:
+    """This process's GPU: the one its local rank names. More processes on a node than GPUs is one line (every extra
+    rank says the same, so the job prints it once), not CUDA's "invalid device ordinal" from each of them."""
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        started = os.environ.get("LOCAL_WORLD_SIZE", f"more than {count}")
+        raise UsageError(f"this node has {count} CUDA device(s) but torchrun started {started} processes on it: use "
+                         f"--nproc_per_node={count} or fewer (CUDA_VISIBLE_DEVICES limits the devices a job sees)")
+    return torch.device("cuda", local_rank)
+
+
 @dataclass
 class DistContext:
     """Who this process is in the job, and the process group its collectives go through. Without a group (a plain
@@ -364,7 +376,7 @@ def setup_distributed() -> DistContext:
     else:
         group = {}  # one rank alone in the agent's store: env:// as torch does it
     if cuda:
-        device = torch.device(f"cuda:{local_rank}")
+        device = cuda_device(local_rank)
         torch.cuda.set_device(device)  # before init_process_group, so NCCL binds this process to its own GPU
         dist.init_process_group("nccl", device_id=device, timeout=PG_TIMEOUT, **group)
     else:
@@ -480,18 +492,17 @@ def report_failure(message: str) -> bool:
 
 
 def abandon_distributed() -> None:
-    """After this rank raised: no collective teardown (peers may never reach it). NCCL communicators are aborted,
-    which does not wait for peers; gloo's sockets close with the process."""
+    """After this rank raised: no collective teardown (peers may never reach it). NCCL communicators are aborted
+    (compat.abort_process_group), which does not wait for peers; gloo's sockets close with the process."""
     _finish_pending_work()
     if not (dist.is_available() and dist.is_initialized()):
         return
     if _FailureWatch.instance is not None and _hosts_the_store():
         time.sleep(1.5 * FAILURE_POLL_S)  # the peers read this rank's failure from its store before it goes
-    if dist.get_backend() == "nccl":
-        try:
-            dist.distributed_c10d._abort_process_group()
-        except Exception:
-            pass
+    try:
+        abort_process_group()
+    except Exception:  # leaving anyway
+        pass
 
 
 def _hosts_the_store() -> bool:

@@ -1,0 +1,97 @@
+"""What differs between the torch releases this project supports, in one place: the range, the one-line refusal of
+a feature the running torch is too old for, and every use of a private torch interface, each behind a guard with
+a public fallback (README, "Supported versions").
+
+    check_torch_supported()                  # at start-up: torch older than OLDEST_TORCH is one line, not a TypeError
+    require_torch((2, 7), "some feature")    # a feature that needs a newer torch than the oldest supported
+    DDP(model, **ddp_no_buffer_sync())       # DDP's keyword for "buffers need no syncing" in this release
+    abort_process_group()                    # a failed rank leaves its NCCL communicators without waiting for peers
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from errors import UsageError
+
+OLDEST_TORCH = (2, 6)  # the oldest release CI runs (.ci/run's second leg)
+NEWEST_TORCH = (2, 15)  # the newest release the package index served when the range was last checked
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as "2.11.0+cu130" or "2.6.0a0+git1234"."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"not a version: {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+TORCH = version_tuple(torch.__version__)
+
+
+def _named(version: tuple[int, int]) -> str:
+    return ".".join(str(part) for part in version)
+
+
+def check_torch_supported() -> None:
+    """Stop with one line on a torch older than the oldest supported one (a newer one is only untested)."""
+    if TORCH < OLDEST_TORCH:
+        raise UsageError(f"torch {torch.__version__} is older than this project supports (torch {_named(OLDEST_TORCH)}"
+                         f" to {_named(NEWEST_TORCH)}): install a newer torch, e.g. pip install 'torch>="
+                         f"{_named(OLDEST_TORCH)}'")
+
+
+def require_torch(version: tuple[int, int], feature: str) -> None:
+    """Refuse `feature` in one line when the running torch is older than `version`."""
+    if TORCH < version:
+        raise UsageError(f"{feature} needs torch {_named(version)} or newer; this is torch {torch.__version__}")
+
+
+def ddp_no_buffer_sync() -> dict[str, Any]:
+    """DDP's keyword for "skip syncing the module's buffers before each forward pass": `forward_sync_buffers`
+    since torch 2.13, which deprecates `broadcast_buffers` with a warning; older releases know only the latter."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def abort_process_group() -> None:
+    """A rank that failed leaves its NCCL communicators without waiting for peers that may never come.
+
+    Private interface: `torch.distributed.distributed_c10d._abort_process_group` (seen in torch 2.6 and 2.13; on
+    gloo a no-op with a warning in 2.6, so it is called for NCCL only). Where it is missing (private: it may move),
+    nothing is called and the communicators end with the process: the public `destroy_process_group()` is no
+    fallback, as on NCCL it can wait for peers. gloo needs neither: its sockets close with the process."""
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        abort()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles). Private interface:
+    torch.cpu._is_avx512_bf16_supported / _is_amx_tile_supported (they also check what the OS enables); where they
+    are missing, the CPU flags Linux reports in /proc/cpuinfo."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if any(check is not None for check in checks):
+        return any(check is not None and check() for check in checks)
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_tile"})
+
+
+def _cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
