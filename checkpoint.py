@@ -112,7 +112,8 @@ class Checkpointer:
 
         store, keep_last = self.store, self.cadence.keep_last
         return ShardedWriter(store, self.ctx.rank, self._snapshot_group(), snapshot_lib.SAVE_ATTEMPTS,
-                             snapshot_lib.SAVE_FIRST_BACKOFF_S, lambda: snapshot_lib.prune_quietly(store, keep_last))
+                             snapshot_lib.SAVE_FIRST_BACKOFF_S, lambda: snapshot_lib.prune_quietly(store, keep_last),
+                             self.ctx.device)
 
     def _snapshot_group(self) -> Any:
         """Collective the first time (every rank saves or loads shards at the same point)."""

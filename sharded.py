@@ -184,10 +184,15 @@ class StoreFiles(FileSystemBase):
 
 
 class _ShardWriter(FileSystemWriter):
-    """DCP's file writer on a StoreFiles. Local files are fsynced; an object store commits an object on close."""
+    """DCP's file writer on a StoreFiles. Local files are fsynced; an object store commits an object on close.
+
+    per_thread_copy_ahead=0: the state is already in CPU memory, and DCP would otherwise pick its overlapping
+    loader wherever CUDA is available (torch/distributed/checkpoint/filesystem.py, _write_files_from_queue), which
+    takes `torch.cuda.current_stream()`: on the writer thread, whose current device is GPU 0, every rank would
+    create a CUDA context there (0.3-0.5 GB each; a failed save on GPUs in exclusive-process mode)."""
 
     def __init__(self, path: str, files: StoreFiles) -> None:
-        super().__init__(path, sync_files=files.is_local, overwrite=True)
+        super().__init__(path, sync_files=files.is_local, overwrite=True, per_thread_copy_ahead=0)
         self.fs, self.path = files, path
 
 
@@ -341,8 +346,8 @@ class ShardedWriter:
     commit together and never wait in different collectives."""
 
     def __init__(self, store: Any, rank: int, group: Optional[dist.ProcessGroup], attempts: int,
-                 first_backoff_s: float, prune: Any) -> None:
-        self.store, self.rank, self.group = store, rank, group
+                 first_backoff_s: float, prune: Any, device: torch.device = torch.device("cpu")) -> None:
+        self.store, self.rank, self.group, self.device = store, rank, group, device
         self.prune = prune  # snapshot.prune_quietly for this store: () -> what to add to the "saved" line
         self.attempts, self.first_backoff_s = attempts, first_backoff_s
         self._thread: Optional[threading.Thread] = None
@@ -358,6 +363,8 @@ class ShardedWriter:
 
     def _write(self, name: str, state: dict, metadata: dict, world_size: int, reason: str) -> None:
         try:
+            if self.device.type == "cuda":  # a new thread's current device is GPU 0: anything CUDA goes to this rank's
+                torch.cuda.set_device(self.device)
             self._save(name, state, metadata, world_size, reason)
         except BaseException as e:  # a collective that failed (a peer gone), a bug: never a silent end of the thread
             self._error = f"snapshot {self.store.url(name)} not saved: {_dcp_error(e)}"
