@@ -17,7 +17,6 @@ from forkserver import start_worker
 # may die meanwhile), and run as a fork of the agent's fork server, which has imported everything once.
 start_worker()
 
-import atexit
 import dataclasses
 import functools
 import logging
@@ -25,7 +24,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import hydra
 import torch
@@ -35,6 +34,7 @@ from omegaconf import DictConfig
 
 import config
 from char_dataset import CharCorpus, resolve_path
+from compat import check_torch_supported
 from config import CONFIG_NAME, TrainConfig, redacted, scrub_hydra_output, sweep_job_name, to_dataclasses
 from distributed import (
     DistContext,
@@ -56,16 +56,18 @@ from plot import LossPlotter
 from reporting import setup_logging
 from sample import generate_text, one_core_spared
 from snapshot import SnapshotStore
-from trainer import Trainer, resolve_attention, resolve_precision
+from trainer import Trainer, TrainerConfig, resolve_attention, resolve_precision
 
 log = logging.getLogger("mingpt")
 
 
 # ------------------------------------------------------------------------------------------------------- the job
 def build_trainer(
-    cfg: TrainConfig, corpus: CharCorpus, ctx: DistContext, run_dir: Optional[Path], with_snapshots: bool = True
+    cfg: TrainConfig, corpus: CharCorpus, ctx: DistContext, run_dir: Optional[Path], with_snapshots: bool = True,
+    store: Optional[SnapshotStore] = None,
 ) -> Trainer:
-    """Model, optimizer, schedule, snapshot store and Trainer, exactly as a training run gets them (bench.py too)."""
+    """Model, optimizer, schedule, snapshot store and Trainer, exactly as a training run gets them (bench.py too).
+    `store`: the run's snapshot store if it was opened already (`open_snapshot_store`)."""
     block_size = cfg.data_config.block_size
     amp_dtype = resolve_precision(cfg.trainer_config.mixed_precision, ctx.device)
     attention = resolve_attention(cfg.gpt_config.attention, ctx.device, amp_dtype, block_size, cfg.gpt_config.dropout)
@@ -77,7 +79,8 @@ def build_trainer(
     optimizer = functools.partial(build_optimizer, cfg=cfg.optimizer_config)  # built once the model is wrapped
     schedule = functools.partial(_lr_at, opt_cfg=cfg.optimizer_config)
     tc = cfg.trainer_config
-    store = SnapshotStore(resolve_path(tc.snapshot_path), tc.snapshot_storage_options) if with_snapshots else None
+    if store is None and with_snapshots:
+        store = open_snapshot_store(tc)
     metadata = {
         "model_config": dataclasses.asdict(gpt_cfg),
         "vocab": corpus.vocab.chars,
@@ -90,17 +93,28 @@ def build_trainer(
     )
 
 
+def open_snapshot_store(cfg: TrainerConfig) -> SnapshotStore:
+    """The run's snapshot store, checked (in seconds) by the ranks that will write to it: global rank 0, and under
+    FSDP every rank (each writes its shards). An unreachable or read-only location is one line."""
+    store = SnapshotStore(resolve_path(cfg.snapshot_path), cfg.snapshot_storage_options)
+    if global_rank() == 0 or cfg.strategy == "fsdp":
+        store.check_writable()
+    return store
+
+
 def train(cfg: TrainConfig, run_dir: Path) -> None:
     """Read the data, join the job, fit, report. Leaves the process group to the caller (see hydra_main)."""
     setup_logging(global_rank(), run_dir)
+    # Where the run will write, before anything expensive (reading a large corpus, building the model).
+    store = open_snapshot_store(cfg.trainer_config)
     # Bad data fails here, before any process group. One process per node builds a missing cache: the others wait.
     corpus = CharCorpus.load(cfg.data_config, build=local_rank() == 0)
     check_launch_environment()
     ctx = setup_distributed()
     configure_device(ctx.device)
-    log.info("run directory: %s", run_dir)
+    log.info("run directory: %s (rank 0 is process %d, started by %d)", run_dir, os.getpid(), os.getppid())
     log.info("data: %s", corpus.describe())
-    trainer = build_trainer(cfg, corpus, ctx, run_dir)
+    trainer = build_trainer(cfg, corpus, ctx, run_dir, store=store)
     on_abrupt_exit(trainer.checkpoints.finish_quietly)  # a snapshot being written is finished first
     trainer.fit()
     if trainer.trained_steps and not trainer.stopped_early:
@@ -171,30 +185,12 @@ def cli() -> None:
         return
     config.register()
     try:
-        if config.run_plain_job(run_training, sys.argv[1:]):  # a command line of overrides only: composed once
-            return
-        config.precheck_overrides(sys.argv[1:])
+        check_torch_supported()  # an older torch: one line here, not a TypeError from inside torch later
+        config.precheck_overrides(sys.argv[1:])  # a bad override in one line, before Hydra makes a run directory
     except UsageError as e:
         sys.exit(report_error(e))
     hydra_main()
 
 
-def exit_without_teardown(code: Any) -> None:
-    """`sys.exit(code)` minus CPython's teardown of every module: by now everything is written and closed, and
-    freeing torch's thousands of modules takes 1-2 s on a 2-core machine. Exit handlers run, streams are flushed."""
-    if isinstance(code, str):  # sys.exit("message") prints the message and exits with 1
-        print(code, file=sys.stderr)
-        code = 1
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
-
-
 if __name__ == "__main__":
-    try:
-        cli()
-    except SystemExit as done:  # user errors and Hydra's own exits (bad overrides, --cfg job, ...)
-        exit_without_teardown(done.code)
-    exit_without_teardown(0)
+    cli()

@@ -242,6 +242,7 @@ class SnapshotStore:
         self.root = self.root.rstrip("/") or self.root
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self._upload_cleanup_warned = False
+        self._writable = False  # check_writable() succeeded once
 
     def url(self, name: str) -> str:
         return f"{self.location.rstrip('/')}/{name}"
@@ -267,7 +268,10 @@ class SnapshotStore:
         return self.fs.exists(self._path(f"{name}/{_sharded().COMMIT_FILE}"))
 
     def check_writable(self) -> None:
-        """Fail in seconds, before training, if snapshots cannot be written here."""
+        """Fail in seconds, before training, if snapshots cannot be written here (checked once per store: the run
+        checks before it reads data, the checkpointer before it restores)."""
+        if self._writable:
+            return
         try:
             if self.is_local:
                 self.fs.makedirs(self.root, exist_ok=True)
@@ -286,6 +290,7 @@ class SnapshotStore:
             raise UsageError(
                 f"snapshot location {self.location} is not writable: {describe(e)}"
             ) from None
+        self._writable = True
 
     def _check_reachable(self) -> None:
         """Raise the store's own error if it cannot be reached. `exists()` answers False for an endpoint that is

@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support import TINY, assert_ok, cli, own_snapshots, run_cli, subprocess_env
+from support import TINY, assert_ok, cli, own_snapshots, run_cli, standalone, subprocess_env
 
 from reporting import read_metrics
 
@@ -25,8 +25,14 @@ def assert_trained(run_dir: Path, world_size: int) -> list[dict]:
 
 
 def test_torchrun_two_processes(tmp_path):
-    result = run_cli(TINY, tmp_path, nproc=2)
+    """Also: each worker is the process torchrun started (no fork server, no other stand-in by default)."""
+    command = cli([*own_snapshots(tmp_path), *TINY], standalone(2))
+    launch = subprocess.Popen(command, cwd=tmp_path, env=subprocess_env(tmp_path), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    stdout, stderr = launch.communicate(timeout=240)
+    result = subprocess.CompletedProcess(command, launch.returncode, stdout, stderr)
     assert_ok(result)
+    assert f"rank 0 is process {launch.pid}" not in stdout and f"started by {launch.pid})" in stdout, stdout[-2000:]
     # One run directory for both ranks (Hydra would otherwise compute one per process).
     run_dirs = list((tmp_path / "outputs").iterdir())
     assert len(run_dirs) == 1, run_dirs
@@ -38,11 +44,9 @@ def test_torchrun_two_processes(tmp_path):
     assert "[rank 1]" not in result.stdout
 
 
-# Imported by a one-process eager run, each would add 0.3-2 s to every start (bench_launch.py): torch._dynamo
-# (optim.AdamW; DDP imports it in multi-process runs), DCP (sharded snapshots only), TensorBoard (events are written
-# directly), matplotlib (the plot is drawn by another process).
-NOT_IMPORTED = ["torch._dynamo", "torch.distributed.checkpoint", "torch.utils.tensorboard", "tensorboard",
-                "matplotlib"]
+# Imported by a one-process eager run, each would add 0.3-2 s to every start (bench_launch.py): DCP (sharded
+# snapshots only), TensorBoard (events are written directly), matplotlib (the plot is drawn by another process).
+NOT_IMPORTED = ["torch.distributed.checkpoint", "torch.utils.tensorboard", "tensorboard", "matplotlib"]
 WATCH_IMPORTS = (
     "import atexit, runpy, sys\n"
     f"atexit.register(lambda: print('imported:', [m for m in {NOT_IMPORTED!r} if m in sys.modules]))\n"
@@ -53,8 +57,7 @@ WATCH_IMPORTS = (
 
 
 def test_single_process_without_torchrun(tmp_path, run_dir):
-    """Also: the config is composed once for the whole command line (the saved overrides are the user's), and the
-    process imports none of NOT_IMPORTED."""
+    """Also: the saved overrides are the user's, and the process imports none of NOT_IMPORTED."""
     command = cli([*own_snapshots(tmp_path), *TINY, f"hydra.run.dir={run_dir}"])
     result = subprocess.run([command[0], "-c", WATCH_IMPORTS, *command[1:]], cwd=tmp_path,
                             env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=240)
@@ -117,3 +120,15 @@ def test_bad_input_is_one_clear_line(tmp_path, run_dir, case):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ") and message in lines[0], lines[0]
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_an_unreachable_snapshot_location_fails_before_the_data_is_read(tmp_path, run_dir):
+    """Every location the run writes to is checked before the data is read or the model built (with a large corpus
+    that is minutes earlier)."""
+    result = run_cli([*TINY, "trainer_config.snapshot_path=ftp://127.0.0.1:1/x", f"hydra.run.dir={run_dir}"],
+                     tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: cannot use snapshot location ftp://127.0.0.1:1/x: ConnectionRefusedError: [Errno 111] Connection "
+        "refused"]
+    assert "data:" not in result.stdout and "model:" not in result.stdout, result.stdout
