@@ -20,3 +20,23 @@ test: install
 
 clean:
 	rm -rf $(VENV)  # outputs/ and snapshots/ are your runs: delete them yourself
+
+# Wheels for a GPU machine without internet that has its own CUDA torch (and numpy, fsspec, tqdm, tensorboard,
+# matplotlib, safetensors, pytest, pyyaml, packaging): what else main.py imports, i.e. hydra-core and omegaconf at
+# requirements.txt's pins and hydra's parser runtime (antlr4-python3-runtime==4.9.*, an sdist only on PyPI: built
+# here as a pure-Python wheel), for CPython 3.12 on manylinux x86_64. s3fs is left out: only s3:// paths load it.
+# Copy .whl/ next to gpu_check.sh there; the script installs it into a temporary folder (never into that torch).
+GPU_WHEELS = .whl
+GPU_PLATFORMS = --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+ANTLR4 = antlr4-python3-runtime==4.9.3
+
+.PHONY: gpu-wheels
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	@pins=$$(grep -oE '^(hydra-core|omegaconf)==[^ #]+' requirements.txt); \
+	test "$$(echo $$pins | wc -w)" = 2 || { echo "error: requirements.txt pins no hydra-core==/omegaconf==" >&2; exit 1; }; \
+	echo "pip download" $$pins; \
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: $(GPU_PLATFORMS) -d $(GPU_WHEELS) $$pins
+	$(PYTHON) -m pip wheel -q --no-deps --no-binary=:all: -w $(GPU_WHEELS) $(ANTLR4)
+	@ls $(GPU_WHEELS) && du -sh $(GPU_WHEELS)

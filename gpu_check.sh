@@ -1,37 +1,78 @@
 #!/usr/bin/env bash
-# The GPU checks of the speed issue, as one script for a machine with one NVIDIA GPU (written for an H200).
+# The GPU checks of issue 28 as one script, for a machine with ONE NVIDIA GPU, its own CUDA build of torch (reached
+# as `python3`; PYTHON=... names another interpreter) and no internet. Budget: 8 minutes wall time in all on an H100.
 #
-#   bash gpu_check.sh [OUT_DIR]          # default OUT_DIR: gpu_check_out (relative = to the project folder)
+#   make gpu-wheels                      # once, on a machine with internet: .whl/ (Hydra, OmegaConf, antlr4; ~0.4 MB)
+#   bash gpu_check.sh [OUT_DIR]          # on the GPU machine, .whl/ copied beside this script; OUT_DIR: gpu_check_out
 #   FORCE=1 bash gpu_check.sh [OUT_DIR]  # delete the previous results in OUT_DIR first
 #
-# OUT_DIR must not hold results of an earlier check (bench.json, run/, snapshots/, run-nccl/, summary.json): the
-# training run would resume its snapshots and append to its metrics. The script then stops with one line and exit
-# code 2; FORCE=1 deletes exactly those entries (nothing else in OUT_DIR) and starts afresh.
-# 1. bench.py: 12 layers x 768 wide, block 256, bf16, torch.compile; MFU against the GPU's dense bf16 datasheet
-#    peak (bench.py knows H100/H200/GH200/A100, e.g. 989 TFLOP/s for an H200 SXM, and measures a matmul for
-#    others); PEAK_TFLOPS=... gives the peak per GPU instead. bench.json's peak_source says which was used.
-# 2. The default gpt2_train_cfg.yaml model on the one GPU, evaluated every 250 steps: the elapsed training time at
-#    which the validation loss first reaches nanoGPT's best tiny-shakespeare result, 1.4697 (TARGET=...).
-# 3. The NCCL code paths under torchrun (one process): StopVote's device all-reduce every step, the failure watch,
-#    the end together; SIGTERM after step 100 must stop it after the next step with a snapshot (run-nccl/). The
-#    worker runs as a fork of the fork server (forkserver.py): no refusal line may appear, CUDA starts in the fork.
-# 4. strategy=fsdp on the GPU (FSDP2 over a group of one under torchrun, NCCL, bf16 parameters / fp32 reduction):
-#    bench.py of the step-1 model under ddp, fsdp and fsdp + activation_checkpointing=blocks, each with 2 sharded
-#    or single-file saves (bench-ddp.json, bench-fsdp.json, bench-fsdp-ac.json: state_bytes_per_rank, CUDA max
-#    allocated, save times); then 200 steps of the default model under fsdp with a sharded snapshot every 100,
-#    SIGKILLed after step 150 and run again: it must resume from its shards and finish (run-fsdp/).
-# Everything lands in OUT_DIR (bench*.json, run/, snapshots/, run-nccl/, run-fsdp/, summary.json). BENCH_ARGS / TRAIN_ARGS
-# add overrides, e.g. a tiny model to try the script on a CPU: BENCH_ARGS="gpt_config.n_layer=2 gpt_config.n_embd=64
-# gpt_config.n_head=2 trainer_config.compile=false trainer_config.mixed_precision=fp32 trainer_config.batch_size=4"
-# TRAIN_ARGS=...
+# It stops at once (one `error:` line, exit 2) where torch has no CUDA device: a CPU build would train for hours.
+# Hydra and OmegaConf, if that python cannot import them, are installed from .whl/ into a temporary folder on
+# PYTHONPATH; the machine's own torch and packages are never touched. Each check prints `ok: ...`, or one
+# `FAIL: ...: see LOG` line and the script exits 1. Everything lands in OUT_DIR (relative = to the project folder);
+# an OUT_DIR that holds an earlier check's results is refused (exit 2), FORCE=1 deletes exactly those first.
+#   (a) bench.py, 12 layers x 768, block 256, bf16, torch.compile: MFU > 0 against the GPU's datasheet bf16 peak
+#       (PEAK_TFLOPS=... gives it instead)                                                      bench.json  ~90 s
+#   (b) the default model (gpt2_train_cfg.yaml: 6 x 384, dropout 0.2) for TRAIN_STEPS=1500 steps, evaluated every
+#       EVAL_EVERY=250: the best validation loss must be below VAL_BOUND=1.7 (nanoGPT's config reaches ~1.5 there,
+#       its best is 1.4697; an untrained model is at ~4.2, one that ignores its context at ~2.5)        run/  ~60 s
+#   (c) NCCL under torchrun (one process): SIGTERM after step 100 stops it with a snapshot; a rerun resumes from it
+#                                                                                                 run-nccl/  ~50 s
+#   (d) the fork server (MINGPT_FORKSERVER=1): no refusal line, and the running worker is a fork of the agent's
+#       server (process tree from /proc; rank 0's logged pid is that fork; CUDA is loaded there, not in the server;
+#       the client torchrun started never imports torch); SIGTERM still stops it with a snapshot  run-forkserver/  ~30 s
+#   (e) torchrun with one process more than the node's GPUs: a non-zero exit and exactly one `error: ...CUDA device`
+#       line in the workers' stderr, no traceback                                                 run-nprocs/  ~20 s
+#   (f) strategy=fsdp under torchrun (one process): 200 steps, a sharded snapshot every 100, the worker SIGKILLed
+#       after step 150; the rerun resumes from snapshot-000000100.dcp and finishes                 run-fsdp/  ~60 s
+# Then summary.json and a list of what one GPU cannot show. Each step has a time limit, and none may run past
+# BUDGET_S=480 s from the start: a check that would is killed and reported as a FAIL.
+#
+# Knobs: BENCH_ARGS / TRAIN_ARGS add Hydra overrides (last: they win) to (a) / (b)-(f); PEAK_TFLOPS, TARGET (the
+# loss whose first step is reported, 1.4697), TRAIN_STEPS, EVAL_EVERY, VAL_BOUND, BUDGET_S, FORCE, PYTHON.
+# A developer's dry run of the logic on a CPU: GPU_CHECK_ALLOW_CPU=1 skips the CUDA gate and check (e), e.g.
+#   GPU_CHECK_ALLOW_CPU=1 BUDGET_S=1800 TRAIN_STEPS=200 EVAL_EVERY=100 VAL_BOUND=3.3 PYTHON=.venv/bin/python \
+#   BENCH_ARGS="gpt_config.n_layer=1 gpt_config.n_head=2 gpt_config.n_embd=32 trainer_config.compile=false
+#   trainer_config.mixed_precision=fp32 trainer_config.batch_size=4" TRAIN_ARGS="gpt_config.n_layer=1
+#   gpt_config.n_head=2 gpt_config.n_embd=32 trainer_config.mixed_precision=fp32 trainer_config.batch_size=4
+#   data_config.truncate=0.05" bash gpu_check.sh /tmp/gpu_check_dry
 set -euo pipefail
 cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
 OUT=${1:-gpu_check_out}
 PEAK_TFLOPS=${PEAK_TFLOPS:-}
 TARGET=${TARGET:-1.4697}
-PYTHON=${PYTHON:-python}
-RESULTS=("$OUT/bench.json" "$OUT/run" "$OUT/snapshots" "$OUT/run-nccl" "$OUT/summary.json" "$OUT/bench-ddp.json"
-         "$OUT/bench-fsdp.json" "$OUT/bench-fsdp-ac.json" "$OUT/run-fsdp")
+TRAIN_STEPS=${TRAIN_STEPS:-1500}
+EVAL_EVERY=${EVAL_EVERY:-250}
+VAL_BOUND=${VAL_BOUND:-1.7}
+BUDGET_S=${BUDGET_S:-480}
+START=$SECONDS
+
+# ---------------------------------------------------------------------------------------------- the CUDA gate
+probe=$("$PYTHON" -c 'import torch
+ok = torch.cuda.is_available()
+print(torch.__version__, ok, torch.cuda.device_count() if ok else 0)' 2>/dev/null) || probe="?"
+read -r TORCH_VERSION CUDA_OK GPUS <<<"$probe"
+if [[ "$CUDA_OK" != True ]]; then
+    if [[ "$TORCH_VERSION" == "?" ]]; then
+        TORCH_VERSION="not importable by $PYTHON"
+        CUDA_OK=False
+    fi
+    if [[ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ]]; then
+        echo "error: gpu_check.sh needs a CUDA GPU and a CUDA build of torch (torch $TORCH_VERSION, cuda available:" \
+            "$CUDA_OK)" >&2
+        exit 2
+    fi
+    echo "GPU_CHECK_ALLOW_CPU=1: a developer's dry run on the CPU (torch $TORCH_VERSION): no GPU is checked"
+    ON_GPU=0
+else
+    ON_GPU=1
+    echo "ok: torch $TORCH_VERSION sees $GPUS CUDA device(s)"
+fi
+
+# ----------------------------------------------------------------------------------------- earlier results
+RESULTS=("$OUT/install.log" "$OUT/bench.json" "$OUT/bench.log" "$OUT/run" "$OUT/snapshots" "$OUT/run-nccl"
+         "$OUT/run-forkserver" "$OUT/run-nprocs" "$OUT/run-fsdp" "$OUT/summary.json")
 for used in "${RESULTS[@]}"; do
     if [[ -e "$used" ]]; then
         if [[ "${FORCE:-0}" != 1 ]]; then
@@ -45,82 +86,312 @@ for used in "${RESULTS[@]}"; do
     fi
 done
 mkdir -p "$OUT"
-"$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
-      torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
 
-"$PYTHON" bench.py --steps 30 --warmup 10 ${PEAK_TFLOPS:+--peak-tflops "$PEAK_TFLOPS"} --json "$OUT/bench.json" \
-    gpt_config.n_layer=12 gpt_config.n_head=12 gpt_config.n_embd=768 gpt_config.dropout=0.0 data_config.block_size=256 \
-    trainer_config.batch_size=64 trainer_config.mixed_precision=bf16 trainer_config.compile=true ${BENCH_ARGS:-}
-
-"$PYTHON" main.py trainer_config.max_steps=5000 trainer_config.eval_every_steps=250 trainer_config.progress=lines \
-    trainer_config.snapshot_path="$OUT/snapshots" hydra.run.dir="$OUT/run" ${TRAIN_ARGS:-}
-
-# wait_for_line PATTERN LOG PID TRIES: until LOG has PATTERN, PID has ended, or TRIES x 0.5 s have passed
-wait_for_line() {
-    for _ in $(seq "$4"); do
-        grep -q "$1" "$2" && return
-        kill -0 "$3" 2>/dev/null || return
-        sleep 0.5
+# ----------------------------------------------------------------------------------------------- helpers
+SITE=""
+cleanup() {  # on any exit: no run of ours left behind, no temporary packages
+    local pid
+    for pid in $(jobs -p); do
+        kill -KILL "$pid" 2>/dev/null || true  # the agent; its workers die with it (orphans.py)
     done
+    [[ -z "$SITE" ]] || rm -rf -- "$SITE"
+}
+trap cleanup EXIT
+
+fail() {  # fail WHAT LOG
+    echo "FAIL: $1: see $2" >&2
+    exit 1
 }
 
-mkdir -p "$OUT/run-nccl"
-"$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 main.py ${TRAIN_ARGS:-} trainer_config.max_steps=100000 \
-    trainer_config.progress=lines trainer_config.log_every_steps=10 trainer_config.eval_every_steps=0 \
-    trainer_config.snapshot_path="$OUT/run-nccl/snapshots" hydra.run.dir="$OUT/run-nccl" \
-    > "$OUT/run-nccl/launch.log" 2>&1 &
-NCCL_JOB=$!
-wait_for_line "step 100/" "$OUT/run-nccl/launch.log" "$NCCL_JOB" 600
-kill -TERM "$NCCL_JOB" 2>/dev/null || true
-wait "$NCCL_JOB" || true
-grep -q "saved (stop requested" "$OUT/run-nccl/launch.log" && echo "NCCL run: stopped by SIGTERM with a snapshot" \
-    || { echo "error: the NCCL run did not stop with a snapshot: see $OUT/run-nccl/launch.log" >&2; exit 1; }
-if grep -q "forkserver:" "$OUT/run-nccl/launch.log"; then  # a refusal (CUDA touched while the server imported?)
-    echo "error: the fork server did not serve the CUDA worker: see $OUT/run-nccl/launch.log" >&2; exit 1
+limit() {  # limit SECONDS: SECONDS, or less where the whole script's budget ends sooner
+    local left=$((BUDGET_S - (SECONDS - START)))
+    ((left < 1)) && left=1
+    echo $(($1 < left ? $1 : left))
+}
+
+run_limited() {  # run_limited WHAT LOG SECONDS COMMAND...: run to the end (output to LOG), within its time limit
+    local what=$1 log=$2 seconds rc=0
+    seconds=$(limit "$3")
+    shift 3
+    timeout -k 10 "$seconds" "$@" >"$log" 2>&1 || rc=$?
+    if ((rc == 124 || rc == 137)); then
+        fail "$what did not finish within $seconds s (the script's budget: BUDGET_S=$BUDGET_S)" "$log"
+    fi
+    return "$rc"
+}
+
+wait_for_line() {  # wait_for_line PATTERN LOG PID SECONDS: until LOG has PATTERN (0), or PID ended / time is up (1)
+    local deadline=$((SECONDS + $(limit "$4")))
+    while ((SECONDS < deadline)); do
+        grep -qs -- "$1" "$2" && return 0
+        kill -0 "$3" 2>/dev/null || { grep -qs -- "$1" "$2"; return; }
+        sleep 0.2
+    done
+    return 1
+}
+
+stop_job() {  # stop_job PID SIGNAL: send it (0: none), wait up to 60 s for the end, then SIGKILL; its exit status
+    local waited=0 rc=0
+    kill "-$2" "$1" 2>/dev/null || true
+    while kill -0 "$1" 2>/dev/null && ((waited < 300)); do
+        sleep 0.2
+        waited=$((waited + 1))
+    done
+    kill -KILL "$1" 2>/dev/null || true
+    wait "$1" 2>/dev/null || rc=$?  # (no "Killed" notice from bash)
+    return "$rc"
+}
+
+children_of() {  # children_of PID: its direct children, from /proc (no procps on the machine needed)
+    "$PYTHON" -c 'import os, sys
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1] == sys.argv[1]:
+            print(pid)
+    except (OSError, IndexError):
+        pass' "$1"
+}
+
+check_py() {  # check_py WHAT LOG ARGS... <<'PY': that Python check's output (its ok: line), or FAIL with its reason
+    local said last
+    if said=$("$PYTHON" - "${@:3}" 2>&1); then
+        echo "$said"
+    else
+        last=${said##*$'\n'}
+        fail "$1 (${last#AssertionError: })" "$2"
+    fi
+}
+
+TIMES=()  # "check=seconds", for summary.json
+timed() {  # timed NAME SINCE
+    TIMES+=("$1=$((SECONDS - $2))")
+}
+
+unset MINGPT_FORKSERVER  # torchrun's own workers everywhere but in (d)
+TORCHRUN=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1)
+
+# ----------------------------------------------------------------------------- Hydra & co. from .whl/, if needed
+if "$PYTHON" -c 'import hydra, omegaconf, antlr4' 2>/dev/null; then
+    echo "ok: $PYTHON imports hydra, omegaconf and antlr4 already: nothing installed"
+else
+    wheels=(.whl/*.whl)
+    if [[ ! -e "${wheels[0]}" ]]; then
+        echo "error: $PYTHON cannot import hydra and .whl/ holds no wheels: run \`make gpu-wheels\` on a machine with" \
+            "internet and copy .whl/ beside gpu_check.sh" >&2
+        exit 2
+    fi
+    SITE=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")
+    {
+        if "$PYTHON" -m pip --version >/dev/null 2>&1; then
+            "$PYTHON" -m pip install -q --no-index --no-deps --target "$SITE" "${wheels[@]}"
+        else  # no pip in that environment: a pure-Python wheel is a zip of what goes onto sys.path
+            for wheel in "${wheels[@]}"; do "$PYTHON" -m zipfile -e "$wheel" "$SITE"; done
+        fi
+    } >"$OUT/install.log" 2>&1 || fail "installing .whl/ into $SITE" "$OUT/install.log"
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    "$PYTHON" -c 'import hydra, omegaconf, antlr4' >>"$OUT/install.log" 2>&1 \
+        || fail "hydra, omegaconf or antlr4 is still not importable after installing .whl/" "$OUT/install.log"
+    echo "ok: installed ${#wheels[@]} wheels of .whl/ into $SITE (on PYTHONPATH; $PYTHON's own packages untouched)"
 fi
-echo "NCCL run: the worker was a fork of torchrun's fork server (forkserver.py), CUDA first initialised in the fork"
 
-BIG="gpt_config.n_layer=12 gpt_config.n_head=12 gpt_config.n_embd=768 gpt_config.dropout=0.0 trainer_config.batch_size=64
-     trainer_config.mixed_precision=bf16"
-for variant in "ddp:trainer_config.strategy=ddp" "fsdp:trainer_config.strategy=fsdp" \
-               "fsdp-ac:trainer_config.strategy=fsdp trainer_config.activation_checkpointing=blocks"; do
-    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 bench.py --steps 20 --warmup 5 --snapshots 2 \
-        --json "$OUT/bench-${variant%%:*}.json" $BIG ${variant#*:} trainer_config.snapshot_path="$OUT/bench-snapshots-${variant%%:*}" \
-        ${BENCH_ARGS:-}
-done
-mkdir -p "$OUT/run-fsdp"
-FSDP_RUN=(-m torch.distributed.run --standalone --nproc_per_node=1 main.py trainer_config.strategy=fsdp
-          trainer_config.max_steps=200 trainer_config.save_every_steps=100 trainer_config.eval_every_steps=100
-          trainer_config.progress=lines trainer_config.log_every_steps=10
-          trainer_config.snapshot_path="$OUT/run-fsdp/snapshots" hydra.run.dir="$OUT/run-fsdp" ${TRAIN_ARGS:-})
-"$PYTHON" "${FSDP_RUN[@]}" > "$OUT/run-fsdp/first.log" 2>&1 &
-FSDP_JOB=$!
-wait_for_line "step 150/" "$OUT/run-fsdp/first.log" "$FSDP_JOB" 1200
-pkill -KILL -P "$FSDP_JOB" 2>/dev/null || true  # the worker, as the OOM killer would
-kill -KILL "$FSDP_JOB" 2>/dev/null || true
-wait "$FSDP_JOB" || true
-"$PYTHON" "${FSDP_RUN[@]}" > "$OUT/run-fsdp/second.log" 2>&1 \
-    || { echo "error: the FSDP rerun failed: see $OUT/run-fsdp/second.log" >&2; exit 1; }
-grep -q "resumed from .*snapshot-000000100.dcp" "$OUT/run-fsdp/second.log" && echo "FSDP run: resumed from its shards" \
-    || { echo "error: the FSDP rerun did not resume from its shards: see $OUT/run-fsdp/second.log" >&2; exit 1; }
-
-"$PYTHON" - "$OUT" "$TARGET" <<'PY'
+# ------------------------------------------------------------------------------------------------- (a) bench
+t0=$SECONDS
+run_limited "bench.py" "$OUT/bench.log" 240 "$PYTHON" bench.py --steps 20 --warmup 10 \
+    ${PEAK_TFLOPS:+--peak-tflops "$PEAK_TFLOPS"} --json "$OUT/bench.json" \
+    gpt_config.n_layer=12 gpt_config.n_head=12 gpt_config.n_embd=768 gpt_config.dropout=0.0 data_config.block_size=256 \
+    trainer_config.batch_size=64 trainer_config.mixed_precision=bf16 trainer_config.compile=true ${BENCH_ARGS:-} \
+    || fail "bench.py exited with an error" "$OUT/bench.log"
+check_py "bench.py's MFU is not above 0, or it ran on the CPU" "$OUT/bench.log" "$OUT/bench.json" "$ON_GPU" <<'PY'
 import json, sys
-out, target = sys.argv[1], float(sys.argv[2])
+b = json.load(open(sys.argv[1]))
+assert b["mfu"] > 0, f"MFU {b['mfu']}"
+assert b["device"] != "cpu" or sys.argv[2] != "1", "bench.py ran on the CPU"
+print(f"ok: bench.py on {b['device']}: MFU {b['mfu']:.3f} against {b['peak_tflops_per_process']} TFLOP/s "
+      f"({b['peak_source']}); {b['tokens_per_s']:,.0f} tokens/s, {b['step_ms_median']} ms/step")
+PY
+timed bench $t0
+
+# ----------------------------------------------------------------------------------- (b) the default model
+t0=$SECONDS
+mkdir -p "$OUT/run"
+run_limited "the training run" "$OUT/run/launch.log" 240 "$PYTHON" main.py trainer_config.max_steps="$TRAIN_STEPS" \
+    trainer_config.eval_every_steps="$EVAL_EVERY" trainer_config.progress=lines \
+    trainer_config.snapshot_path="$OUT/snapshots" hydra.run.dir="$OUT/run" ${TRAIN_ARGS:-} \
+    || fail "the training run exited with an error" "$OUT/run/launch.log"
+check_py "the training run's validation loss is not below VAL_BOUND=$VAL_BOUND" "$OUT/run/launch.log" \
+    "$OUT/run/metrics.jsonl" "$TRAIN_STEPS" "$VAL_BOUND" "$TARGET" <<'PY'
+import json, sys
+path, steps, bound, target = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+rows = [json.loads(line) for line in open(path)]
+val = [r for r in rows if "val_loss" in r]
+best = min(val, key=lambda r: r["val_loss"])
+assert max(r["step"] for r in rows) == steps, f"the run ended at step {max(r['step'] for r in rows)}, not {steps}"
+assert best["val_loss"] < bound, f"best validation loss {best['val_loss']:.4f} at step {best['step']}"
+hit = next((r for r in val if r["val_loss"] <= target), None)
+print(f"ok: training: {steps} steps of the default model in {rows[-1]['elapsed_s']:.0f} s, best validation loss "
+      f"{best['val_loss']:.4f} at step {best['step']} (< {bound}); {target} "
+      + (f"first reached at step {hit['step']}" if hit else "not reached"))
+PY
+timed train $t0
+
+# ----------------------------------------------------------------------------- (c) NCCL path, SIGTERM, resume
+t0=$SECONDS
+RUN="$OUT/run-nccl"
+mkdir -p "$RUN"
+NCCL_RUN=("${TORCHRUN[@]}" main.py trainer_config.max_steps=300 trainer_config.progress=lines
+          trainer_config.log_every_steps=10 trainer_config.eval_every_steps=0
+          trainer_config.snapshot_path="$RUN/snapshots" hydra.run.dir="$RUN" ${TRAIN_ARGS:-})
+"${NCCL_RUN[@]}" >"$RUN/first.log" 2>&1 &
+job=$!
+wait_for_line "step 100/" "$RUN/first.log" "$job" 150 || fail "the torchrun run did not reach step 100" "$RUN/first.log"
+stop_job "$job" TERM || true
+grep -q "saved (stop requested" "$RUN/first.log" \
+    || fail "the torchrun run did not stop with a snapshot after SIGTERM" "$RUN/first.log"
+run_limited "the torchrun rerun" "$RUN/second.log" 120 "${NCCL_RUN[@]}" \
+    || fail "the torchrun rerun exited with an error" "$RUN/second.log"
+grep -q "resumed from" "$RUN/second.log" || fail "the torchrun rerun did not resume" "$RUN/second.log"
+echo "ok: torchrun ($([[ $ON_GPU == 1 ]] && echo NCCL || echo gloo), one process): SIGTERM after step 100 stopped" \
+    "it with a snapshot; the rerun resumed from it and finished"
+timed nccl $t0
+
+# ------------------------------------------------------------------------------------------ (d) the fork server
+t0=$SECONDS
+RUN="$OUT/run-forkserver"
+mkdir -p "$RUN"
+MINGPT_FORKSERVER=1 "${TORCHRUN[@]}" main.py trainer_config.max_steps=300 trainer_config.progress=lines \
+    trainer_config.log_every_steps=10 trainer_config.eval_every_steps=0 trainer_config.snapshot_path="$RUN/snapshots" \
+    hydra.run.dir="$RUN" ${TRAIN_ARGS:-} >"$RUN/launch.log" 2>&1 &
+job=$!
+wait_for_line "step 50/" "$RUN/launch.log" "$job" 150 \
+    || fail "the run with MINGPT_FORKSERVER=1 did not reach step 50" "$RUN/launch.log"
+# The process tree while it trains: agent -> client (the worker torchrun started: main.py, which hands itself to
+# the server) -> server (`python -c "...forkserver.serve(NAME, AGENT)"`, started by the client) -> fork (rank 0).
+check_py "the worker of the MINGPT_FORKSERVER=1 run is not a fork of the fork server" "$RUN/launch.log" \
+    "$job" "$RUN/launch.log" "$ON_GPU" <<'PY' >"$RUN/tree.log"
+import os, re, sys
+agent, log, gpu = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+table = {}
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        table[int(pid)] = (ppid, open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace"))
+    except (OSError, IndexError, ValueError):
+        pass
+
+
+def maps(pid, library):
+    with open(f"/proc/{pid}/maps") as f:
+        return any(os.path.basename(line.split()[-1]).startswith(library) for line in f if "/" in line)
+
+
+clients = [p for p, (pp, cmd) in table.items() if pp == agent]
+assert len(clients) == 1 and "main.py" in table[clients[0]][1], f"torchrun's workers: {clients}"
+client = clients[0]
+ours = [p for p, (pp, cmd) in table.items() if "forkserver.serve(" in cmd and cmd.rstrip().endswith(f", {agent})")]
+servers = [p for p in ours if table[p][0] not in ours]
+assert len(servers) == 1, f"no fork server of agent {agent} runs (processes: {ours})"
+server = servers[0]
+forks = [p for p in ours if table[p][0] == server]
+assert len(forks) == 1, f"the fork server {server} has no child: no worker was forked"
+fork = forks[0]
+assert not maps(client, "libtorch"), f"the client {client} loaded torch: it trained itself"
+assert maps(fork, "libtorch"), f"the fork {fork} has no torch"
+logged = re.search(r"rank 0 is process (\d+), started by (\d+)", open(log).read())
+if logged:
+    assert (int(logged[1]), int(logged[2])) == (fork, server), f"rank 0 logged {logged[0]}: not the fork {fork}"
+if gpu:
+    assert maps(fork, "libcuda.so"), f"the fork {fork} has not loaded the CUDA driver"
+    assert not maps(server, "libcuda.so"), f"the server {server} loaded the CUDA driver before forking"
+print(f"agent {agent} -> client {client} (main.py, no torch) -> server {server} (forkserver.serve) -> fork {fork} "
+      f"(rank 0{' as logged' if logged else ''}{', CUDA' if gpu else ''})")
+PY
+stop_job "$job" TERM || true
+if grep -q "forkserver:" "$RUN/launch.log"; then
+    fail "the fork server refused or lost the worker (a forkserver: line)" "$RUN/launch.log"
+fi
+grep -q "saved (stop requested" "$RUN/launch.log" \
+    || fail "the served worker did not stop with a snapshot after SIGTERM" "$RUN/launch.log"
+echo "ok: MINGPT_FORKSERVER=1: $(cat "$RUN/tree.log"); no refusal; SIGTERM relayed, stopped with a snapshot"
+timed forkserver $t0
+
+# ------------------------------------------------------------------------- (e) more processes than GPUs
+t0=$SECONDS
+RUN="$OUT/run-nprocs"
+mkdir -p "$RUN"
+if [[ $ON_GPU == 1 ]]; then
+    rc=0
+    run_limited "torchrun with $((GPUS + 1)) processes" "$RUN/launch.log" 120 "$PYTHON" -m torch.distributed.run \
+        --standalone --nproc_per_node=$((GPUS + 1)) --log-dir "$RUN/workers" --redirects 3 main.py \
+        trainer_config.max_steps=5 trainer_config.snapshot_path="$RUN/snapshots" hydra.run.dir="$RUN" ${TRAIN_ARGS:-} \
+        || rc=$?
+    ((rc != 0)) || fail "torchrun with $((GPUS + 1)) processes on $GPUS GPU(s) did not fail" "$RUN/launch.log"
+    find "$RUN/workers" -name stderr.log -exec cat {} + >"$RUN/workers-stderr.log"
+    matches=$(grep -c "error: .*CUDA device" "$RUN/workers-stderr.log" || true)
+    if ((matches != 1)) || grep -q "Traceback" "$RUN/workers-stderr.log"; then
+        fail "torchrun with $((GPUS + 1)) processes: $matches 'error: ...CUDA device' lines in the workers' stderr" \
+            "(1 wanted), or a traceback" "$RUN/workers-stderr.log"
+    fi
+    echo "ok: torchrun with $((GPUS + 1)) processes on $GPUS GPU(s): exit $rc, one line:" \
+        "$(grep "error: .*CUDA device" "$RUN/workers-stderr.log" | cut -c1-100)..."
+    timed nprocs $t0
+else
+    echo "skipped: (e) more processes than GPUs needs a CUDA device"
+fi
+
+# ------------------------------------------------------------------------------ (f) FSDP, SIGKILL, resume
+t0=$SECONDS
+RUN="$OUT/run-fsdp"
+mkdir -p "$RUN"
+FSDP_RUN=("${TORCHRUN[@]}" main.py trainer_config.strategy=fsdp trainer_config.max_steps=200
+          trainer_config.save_every_steps=100 trainer_config.eval_every_steps=100 trainer_config.progress=lines
+          trainer_config.log_every_steps=10 trainer_config.snapshot_path="$RUN/snapshots" hydra.run.dir="$RUN"
+          ${TRAIN_ARGS:-})
+"${FSDP_RUN[@]}" >"$RUN/first.log" 2>&1 &
+job=$!
+wait_for_line "step 150/" "$RUN/first.log" "$job" 150 || fail "the FSDP run did not reach step 150" "$RUN/first.log"
+for worker in $(children_of "$job"); do
+    kill -KILL "$worker" 2>/dev/null || true  # the worker, as the OOM killer would
+done
+stop_job "$job" 0 || true  # torchrun sees its worker killed and ends
+run_limited "the FSDP rerun" "$RUN/second.log" 120 "${FSDP_RUN[@]}" \
+    || fail "the FSDP rerun exited with an error" "$RUN/second.log"
+grep -q "resumed from .*snapshot-000000100.dcp" "$RUN/second.log" \
+    || fail "the FSDP rerun did not resume from snapshot-000000100.dcp" "$RUN/second.log"
+grep -q "step 200/" "$RUN/second.log" || fail "the FSDP rerun did not reach step 200" "$RUN/second.log"
+echo "ok: strategy=fsdp: the worker SIGKILLed after step 150; the rerun resumed from snapshot-000000100.dcp (shards)" \
+    "and finished 200 steps"
+timed fsdp $t0
+
+# -------------------------------------------------------------------------------------------------- summary
+"$PYTHON" - "$OUT" "$TARGET" "$VAL_BOUND" "$TORCH_VERSION" "$ON_GPU" "$((SECONDS - START))" "${TIMES[@]}" <<'PY'
+import json, sys
+out, target, bound, torch_version, gpu, total, *times = sys.argv[1:]
 rows = [json.loads(line) for line in open(f"{out}/run/metrics.jsonl")]
 val = [r for r in rows if "val_loss" in r]
-hit = next((r for r in val if r["val_loss"] <= target), None)
+hit = next((r for r in val if r["val_loss"] <= float(target)), None)
 bench = json.load(open(f"{out}/bench.json"))
 summary = {
+    "torch": torch_version, "device": bench["device"], "dry_run_on_cpu": gpu != "1",
     "bench_mfu": bench["mfu"], "bench_tokens_per_s": bench["tokens_per_s"], "bench_step_ms": bench["step_ms_median"],
     "bench_peak_tflops": bench["peak_tflops_per_process"], "bench_peak_source": bench["peak_source"],
-    "target_val_loss": target, "best_val_loss": min(r["val_loss"] for r in val),
-    "reached_at_step": hit and hit["step"], "reached_after_s": hit and hit["elapsed_s"],
+    "train_steps": max(r["step"] for r in rows), "train_elapsed_s": rows[-1]["elapsed_s"],
+    "val_bound": float(bound), "best_val_loss": min(r["val_loss"] for r in val),
+    "target_val_loss": float(target), "target_reached_at_step": hit and hit["step"],
+    "checks_passed": ["bench", "train", "torchrun-sigterm-resume", "forkserver"]
+    + (["more-processes-than-gpus"] if gpu == "1" else []) + ["fsdp-sigkill-resume"],
+    "seconds": {**{name: int(s) for name, s in (t.split("=") for t in times)}, "total": int(total)},
+    "not_checked_with_one_gpu": [
+        "NCCL all-reduce between 2+ ranks (DDP gradient averaging, bucket order)",
+        "FSDP sharding across 2+ GPUs and its resharded resume",
+        "sharded saves of ranks with LOCAL_RANK > 0 (the snapshot writer thread must not create a CUDA context "
+        "on GPU 0)",
+        "--nproc_per_node equal to the device count on a multi-GPU node",
+    ],
 }
-for variant in ("ddp", "fsdp", "fsdp-ac"):
-    b = json.load(open(f"{out}/bench-{variant}.json"))
-    summary[variant] = {"step_ms": b["step_ms_median"], "state_bytes_per_rank": b["state_bytes_per_rank"]["total"],
-                        "peak_memory_bytes": b["peak_memory_bytes"], "save_s": b["snapshot"]["written_s_median"]}
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
 print(json.dumps(summary, indent=2))
+print("not checked with one GPU:")
+for item in summary["not_checked_with_one_gpu"]:
+    print(f"  - {item}")
 PY
+echo "all checks passed in $((SECONDS - START)) s (budget $BUDGET_S s); results in $OUT"
