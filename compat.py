@@ -62,6 +62,16 @@ def ddp_no_buffer_sync() -> dict[str, Any]:
     return {"broadcast_buffers": False}
 
 
+def dcp_alone(group: Any) -> dict[str, Any]:
+    """torch.distributed.checkpoint's save/load keywords for `group`, None meaning this process alone: `no_dist`
+    (torch 2.7 and newer) says so outright; older releases assume it when no process group exists."""
+    import torch.distributed.checkpoint as dcp
+
+    if "no_dist" in inspect.signature(dcp.save).parameters:
+        return {"process_group": group, "no_dist": group is None}
+    return {"process_group": group}
+
+
 def abort_process_group() -> None:
     """A rank that failed leaves its NCCL communicators without waiting for peers that may never come.
 

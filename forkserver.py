@@ -261,6 +261,7 @@ class Server:
         self.broken: Optional[str] = None
         self.environment = dict(os.environ)
         self.sources: dict[str, tuple[int, int]] = {}
+        self.path = list(sys.path)  # before the warm-up's imports, some of which add to it (torch 2.6 does)
 
     def warm_up(self) -> None:
         """Import what every worker imports. CUDA must stay uninitialised for the forks to use it: availability
@@ -338,7 +339,7 @@ class Server:
             return "the worker's standard streams did not arrive"
         if request.get("agent") != self.agent or request.get("executable") != sys.executable:
             return "the worker belongs to another agent or interpreter"
-        if request.get("path") != sys.path or os.path.dirname(request.get("main", "")) != PROJECT_DIR:
+        if request.get("path") != self.path or os.path.dirname(request.get("main", "")) != PROJECT_DIR:
             return "the worker's sys.path or script differs from the server's"
         changed = [path for path, stamp in source_stamps(self.sources).items() if self.sources[path] != stamp]
         if changed:

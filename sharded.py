@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from compat import dcp_alone
 from durable import fsync_folder
 from errors import CorruptSnapshot, UsageError, describe, is_permanent
 from parallel import numbered_optimizer_state
@@ -249,7 +250,7 @@ class Shards:
         try:
             with warnings.catch_warnings():  # alone, DCP warns that it assumes so
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-                dcp.load(tensors, storage_reader=reader, process_group=group, no_dist=group is None)
+                dcp.load(tensors, storage_reader=reader, **dcp_alone(group))
         except (Exception, CheckpointException) as e:  # verified files that do not fit: not another try's to fix
             raise UsageError(f"cannot load snapshot {self.source}: {_dcp_error(e)}") from None
 
@@ -406,8 +407,7 @@ class ShardedWriter:
             return target
         files = StoreFiles(self.store.fs, self.store.is_local)
         try:
-            dcp.save(tensors, storage_writer=_ShardWriter(target, files), process_group=self.group,
-                     no_dist=self.group is None)
+            dcp.save(tensors, storage_writer=_ShardWriter(target, files), **dcp_alone(self.group))
         except (Exception, CheckpointException) as e:  # DCP raises on every rank when any rank failed
             outcome: Any = _Failure(_dcp_error(e), is_permanent(_first_cause(e)))
         else:

@@ -168,7 +168,7 @@ def from_bytes(data: bytes, source: str) -> dict:
         # The weights-only unpickler names the global (a function or class) it refused to import.
         found = re.search(r"GLOBAL ([\w.]+)|([\w.]+) was not an allowed global", str(e))
         if found:
-            what = found.group(1) or found.group(2)
+            what = (found.group(1) or found.group(2)).removeprefix("builtins.")  # torch 2.6 names builtins so
             raise UsageError(f"refusing to load {source}: it references code ({what}), not only data") from None
         raise CorruptSnapshot(f"{source}: unreadable (not a snapshot file)") from None
     except Exception as e:  # truncated zip, random bytes, ... (torch raises RuntimeError, EOFError, ...)

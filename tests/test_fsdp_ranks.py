@@ -5,11 +5,15 @@ fsdp's validation loss comes to ddp's is measured in the README's benchmark, on 
 
 import json
 import os
+import re
 import shutil
 import signal
 
+import pytest
+import torch
 from support import TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
 
+import compat
 import snapshot as snap
 
 
@@ -23,6 +27,23 @@ def summary(run_dir) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+CPU_FSDP = (2, 7)  # torch 2.6's FSDP2 records events on CPU streams, which have no record_event there
+
+
+@pytest.mark.oldest_torch
+@pytest.mark.skipif(compat.TORCH >= CPU_FSDP, reason="this torch runs FSDP on a CPU (the test below)")
+def test_fsdp_on_a_cpu_is_refused_in_one_line_by_a_torch_too_old_for_it(tmp_path):
+    result = run_cli(fsdp_args(tmp_path / "snaps", tmp_path / "run"), tmp_path, nproc=2)
+    assert result.returncode != 0
+    errors = [re.sub(r"^\[rank \d+\] ", "", line) for line in result.stderr.splitlines()
+              if re.match(r"(\[rank \d+\] )?error: ", line)]  # once for the job, from whichever rank failed first
+    assert errors == ["error: trainer_config.strategy=fsdp on a CPU needs torch 2.7 or newer; this is torch "
+                      f"{torch.__version__}"], result.stderr[-3000:]
+    assert not (tmp_path / "snaps").exists() or not list((tmp_path / "snaps").iterdir())
+
+
+@pytest.mark.oldest_torch
+@pytest.mark.skipif(compat.TORCH < CPU_FSDP, reason="FSDP on a CPU needs torch 2.7 (refused in one line: above)")
 def test_two_ranks_save_shards_survive_a_kill_and_resume_on_one_and_three(tmp_path):
     straight = run_cli(fsdp_args(tmp_path / "snaps_a", tmp_path / "run_a"), tmp_path, nproc=2)
     assert_ok(straight)

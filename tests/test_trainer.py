@@ -174,8 +174,8 @@ def test_a_snapshot_older_than_the_epoch_order_finishes_its_epoch_in_its_own_ord
 
 
 @pytest.mark.parametrize("max_norm", [1e9, 0.05])  # nothing clipped; everything clipped
-def test_clipping_gives_torchs_bits_by_the_short_way(max_norm):
-    """parallel.clip_grad_norm's CPU path (no grouping, no multiplication by 1) against torch.nn.utils."""
+def test_clipping_gives_torchs_bits(max_norm):
+    """parallel.clip_grad_norm (the norm returned as a plain tensor, also under FSDP) against torch.nn.utils."""
     from parallel import clip_grad_norm
 
     torch.manual_seed(0)
