@@ -24,6 +24,7 @@ def assert_trained(run_dir: Path, world_size: int) -> list[dict]:
     return rows
 
 
+@pytest.mark.oldest_torch
 def test_torchrun_two_processes(tmp_path):
     """Also: each worker is the process torchrun started (no fork server, no other stand-in by default)."""
     command = cli([*own_snapshots(tmp_path), *TINY], standalone(2))
@@ -69,6 +70,7 @@ def test_single_process_without_torchrun(tmp_path, run_dir):
     assert all(f"- {arg}" in saved for arg in TINY) and "hydra.mode" not in saved, saved
 
 
+@pytest.mark.oldest_torch
 def test_misspelled_override_is_one_line(tmp_path):
     result = run_cli(["trainer_config.max_epoch=3"], tmp_path)
     assert result.returncode != 0
@@ -122,6 +124,7 @@ def test_bad_input_is_one_clear_line(tmp_path, run_dir, case):
     assert "Traceback" not in result.stdout + result.stderr
 
 
+@pytest.mark.oldest_torch
 def test_an_unreachable_snapshot_location_fails_before_the_data_is_read(tmp_path, run_dir):
     """Every location the run writes to is checked before the data is read or the model built (with a large corpus
     that is minutes earlier)."""

@@ -6,6 +6,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 from support import PROJECT_DIR, TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
 
 import snapshot as snap
@@ -41,6 +42,7 @@ def several_files(tmp_path: Path) -> list[str]:
     return [f"data_config.path={folder}", "data_config.truncate=1.0", f"data_config.cache_dir={tmp_path / 'cache'}"]
 
 
+@pytest.mark.oldest_torch
 def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
     """On a cached corpus of several files: the first run builds the cache, the killed one and its restart read
     it; the weights and every logged value are those of the run that was not interrupted. In the default precision

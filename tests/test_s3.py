@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from support import PROJECT_DIR, TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
 
 import snapshot as snap
@@ -22,6 +23,7 @@ def keys(s3, bucket: str, prefix: str) -> list[str]:
     return sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))
 
 
+@pytest.mark.oldest_torch
 def test_train_kill_and_resume_on_s3(tmp_path, s3):
     s3.create_bucket(Bucket="runs")
     run_dir = tmp_path / "run"
@@ -77,6 +79,7 @@ def test_credentials_in_storage_options_are_not_written_anywhere(tmp_path, s3):
     assert saved == {"key": "***", "secret": "***"}
 
 
+@pytest.mark.oldest_torch
 def test_sample_from_an_s3_snapshot_is_deterministic(tmp_path, s3):
     s3.create_bucket(Bucket="gen")
     result = run_cli(args_for("s3://gen/r/", tmp_path / "run", max_steps=10), tmp_path)

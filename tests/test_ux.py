@@ -112,6 +112,7 @@ def sample(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.oldest_torch
 def test_sample_is_deterministic_for_a_seed(trained, tmp_path):
     snaps = trained / "snaps"
     first = sample(f"snapshot={snaps}", "prompt=ROMEO:", "max_new_tokens=80", "seed=3", cwd=tmp_path)
