@@ -21,10 +21,10 @@ snapshot every 5 steps; once it has taken 15 steps since its last (re)start, one
 is SIGKILLed. Latency: from the kill to the first step logged after torchrun's restart (the step's own time
 included), and its parts: to the new worker processes (torchrun noticing, stopping the other worker), to the new
 rank 0's first log line (the new processes' start: a fork of the fork server, or imports; config, data, process
-group), to "resumed from" (model, DDP, snapshot). Each round runs two such jobs, with the fork server
-(forkserver.py) and without it (MINGPT_FORKSERVER=0), the order swapped every round; reported: each one's
-latencies and the median of the per-round ratios of their medians, and the same for the launch itself (from
-starting torchrun to the first step logged).
+group), to "resumed from" (model, DDP, snapshot). Each round runs two such jobs, without the fork server (the
+default: torchrun's own workers) and with it (the opt-in, MINGPT_FORKSERVER=1), the order swapped every round;
+reported: each one's latencies and the median of the per-round ratios of their medians, and the same for the
+launch itself (from starting torchrun to the first step logged).
 
 **step** (needs `--nanogpt`): 240-step runs of both programs on nanoGPT's CPU recipe, in turn, the order swapped
 every round; each program's own step times for steps 30-210 (nanoGPT: `--log_interval=1`, its per-iteration
@@ -213,7 +213,7 @@ def wait_for_new_workers(agent: int, old: set[int], count: int, timeout_s: float
 
 
 def bench_restart(kills: int, overrides: list[str], rounds: int = 1) -> dict:
-    """`rounds` x 2 jobs, one with the fork server and one without (forkserver.py; MINGPT_FORKSERVER=0), the order
+    """`rounds` x 2 jobs, one with the fork server (forkserver.py; MINGPT_FORKSERVER=1) and one without, the order
     swapped every round, `kills` kills each; their latencies and the median of the per-round ratios."""
     results: dict[str, list[dict]] = {"forkserver": [], "no_forkserver": []}
     ratios, launch_ratios = [], []

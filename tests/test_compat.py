@@ -16,6 +16,8 @@ from errors import UsageError
 from sharded import ShardedWriter
 from snapshot import SnapshotStore
 
+pytestmark = pytest.mark.oldest_torch
+
 
 @pytest.mark.parametrize("version, expected", [("2.13.0", (2, 13)), ("2.11.0+cu130", (2, 11)), ("2.6.0", (2, 6)),
                                                ("2.16.0a0+git1234abc", (2, 16)), ("10.2", (10, 2))])
