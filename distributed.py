@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 FAILURE_POLL_S = 1.0  # how often each rank looks for a peer's failure in the job's store (one request)
+JOB_STORE_TIMEOUT = datetime.timedelta(seconds=30)  # the longest one such request can take
 PG_TIMEOUT = datetime.timedelta(minutes=10)
 # The ranks of one attempt are started together by their agents; what can part them is the import of torch and the
 # reading of the data, minutes on a slow shared file system or with a big corpus. Past this, a rank that waits
@@ -386,7 +387,7 @@ def setup_distributed() -> DistContext:
     if world_size > 1:
         # A connection of its own (the main thread's may be busy). With the agent's store, the attempt's namespace
         # keeps an earlier attempt's failure from ending this one; otherwise the store is this attempt's (env://).
-        job_store = dist.PrefixStore(namespace or "mingpt", _store_client(datetime.timedelta(seconds=30)))
+        job_store = dist.PrefixStore(namespace or "mingpt", _store_client(JOB_STORE_TIMEOUT))
         _FailureWatch.start(job_store, rank)
     return ctx
 
@@ -428,8 +429,10 @@ class _FailureWatch:
                 _leave_now(1)
 
     def stop(self) -> None:
+        """Stop polling, and wait until the thread has ended: a daemon thread still inside a store request when the
+        interpreter exits is ended mid-call (pthread_exit through C++ frames), which aborts the process (SIGABRT)."""
         self.stopped.set()
-        self.thread.join(timeout=2 * FAILURE_POLL_S)
+        self.thread.join(timeout=JOB_STORE_TIMEOUT.total_seconds() + 2 * FAILURE_POLL_S)
 
     def record(self, message: str) -> bool:
         """Publish this rank's error as the job's failure; False if a peer's failure was recorded first."""
