@@ -19,7 +19,7 @@ test: install
 	$(VENV)/bin/python -m pytest $(ARGS)
 
 clean:
-	rm -rf $(VENV)  # outputs/ and snapshots/ are your runs: delete them yourself
+	rm -rf $(VENV) .venv-oldest .venv-oldest-fsdp  # outputs/ and snapshots/ are your runs: delete them yourself
 
 # Wheels for a GPU machine without internet that has its own CUDA torch (and numpy, fsspec, tqdm, tensorboard,
 # matplotlib, safetensors, pytest, pyyaml, packaging): what else main.py imports, i.e. hydra-core and omegaconf at

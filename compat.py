@@ -21,6 +21,7 @@ from errors import UsageError
 
 OLDEST_TORCH = (2, 6)  # the oldest release CI runs (.ci/run's second leg)
 NEWEST_TORCH = (2, 15)  # the newest release the package index served when the range was last checked
+CPU_FSDP_TORCH = (2, 7)  # strategy=fsdp on a CPU: torch 2.6's FSDP2 records events on CPU streams, which lack them
 
 
 def version_tuple(version: str) -> tuple[int, int]:

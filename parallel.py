@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from compat import ddp_no_buffer_sync, require_torch
+from compat import CPU_FSDP_TORCH, ddp_no_buffer_sync, require_torch
 from distributed import DistContext
 from shm_allreduce import FLOAT_BYTES, SharedMemoryAllReduce, shared_memory_allreduce_hook
 
@@ -90,8 +90,8 @@ def wrap_model(model: nn.Module, strategy: str, activation_checkpointing: str, c
 def _fully_shard(model: nn.Module, compile: bool, amp_dtype: torch.dtype, ctx: DistContext) -> Parallel:
     """FSDP2 on each block, then the root (the embeddings, the final norm and the tied head). Under mixed
     precision the parameters are all-gathered in the autocast dtype and gradients reduced in fp32."""
-    if ctx.device.type == "cpu":  # torch 2.6's FSDP2 records events on CPU streams, which have no record_event
-        require_torch((2, 7), "trainer_config.strategy=fsdp on a CPU")
+    if ctx.device.type == "cpu":
+        require_torch(CPU_FSDP_TORCH, "trainer_config.strategy=fsdp on a CPU")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy()
