@@ -107,6 +107,19 @@ def child_pids(pid: int) -> list[int]:
     return sorted(children)
 
 
+def fork_servers(agent: int) -> list[int]:
+    """The fork servers (forkserver.py, the MINGPT_FORKSERVER=1 opt-in) of a torchrun agent, by command line."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes()
+        except OSError:
+            continue
+        if b"forkserver.serve(" in text and text.rstrip(b"\0").endswith(f", {agent})".encode()):
+            found.append(int(cmdline.parent.name))
+    return found
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

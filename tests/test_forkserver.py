@@ -15,7 +15,18 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-from support import PYTHON, TINY, child_pids, cli, free_port, logged_step, run_cli, subprocess_env, wait_for
+from support import (
+    PYTHON,
+    TINY,
+    child_pids,
+    cli,
+    fork_servers,
+    free_port,
+    logged_step,
+    run_cli,
+    subprocess_env,
+    wait_for,
+)
 
 import forkserver
 from char_dataset import PROJECT_DIR
@@ -59,15 +70,7 @@ class Agent:
 
     def server(self) -> int:
         """The pid of this agent's fork server (0: none)."""
-        pattern = f", {self.pid})".encode()
-        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-            try:
-                text = cmdline.read_bytes()
-            except OSError:
-                continue
-            if b"forkserver.serve(" in text and text.rstrip(b"\0").endswith(pattern):
-                return int(cmdline.parent.name)
-        return 0
+        return next(iter(fork_servers(self.pid)), 0)
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,8 @@ def test_fsdp_on_a_cpu_is_refused_in_one_line_by_a_torch_too_old_for_it(tmp_path
 
 
 @pytest.mark.oldest_torch
-@pytest.mark.skipif(compat.TORCH < compat.CPU_FSDP_TORCH, reason="FSDP on a CPU needs torch 2.7 (refused in one line: above)")
+@pytest.mark.skipif(compat.TORCH < compat.CPU_FSDP_TORCH,
+                    reason="FSDP on a CPU needs torch 2.7 (refused in one line: above)")
 def test_two_ranks_save_shards_survive_a_kill_and_resume_on_one_and_three(tmp_path):
     straight = run_cli(fsdp_args(tmp_path / "snaps_a", tmp_path / "run_a"), tmp_path, nproc=2)
     assert_ok(straight)
