@@ -5,7 +5,9 @@ a public fallback (README, "Supported versions").
     check_torch_supported()                  # at start-up: torch older than OLDEST_TORCH is one line, not a TypeError
     require_torch((2, 7), "some feature")    # a feature that needs a newer torch than the oldest supported
     DDP(model, **ddp_no_buffer_sync())       # DDP's keyword for "buffers need no syncing" in this release
+    dcp.save(state, **dcp_alone(group))      # DCP's keywords for a group, or for this process alone (None)
     abort_process_group()                    # a failed rank leaves its NCCL communicators without waiting for peers
+    cpu_has_native_bf16()                    # bf16 in hardware on this CPU (mixed_precision=auto)
 """
 
 from __future__ import annotations
