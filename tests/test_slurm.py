@@ -92,7 +92,8 @@ def test_a_job_at_its_time_limit_requeues_itself_and_finishes(slurm_cluster, uni
     # Every allocation but the last was stopped by the early signal and requeued the job; the workers saved a
     # snapshot on the way out and the next allocation resumed from it, unless the signal came before they had
     # started training (seen once: SLURM signalled a job 0.16 s after starting it, though 60 s were left).
-    assert log.count("SIGUSR1, the time limit is near") == requeues, log
+    # The last allocation may get the signal too, as its workers finish: it then completes without a requeue.
+    assert requeues <= log.count("SIGUSR1, the time limit is near") <= requeues + 1, log
     assert log.count("requeueing job") == requeues, log
     assert 1 <= log.count("saved (stop requested") <= requeues, log
     assert 1 <= log.count("resumed from") <= requeues, log
