@@ -196,7 +196,7 @@ fi
 
 # ------------------------------------------------------------------------------------------------- (a) bench
 t0=$SECONDS
-run_limited "bench.py" "$OUT/bench.log" 240 "$PYTHON" bench.py --steps 20 --warmup 10 \
+run_limited "bench.py" "$OUT/bench.log" 240 "$PYTHON" benchmarks/bench.py --steps 20 --warmup 10 \
     ${PEAK_TFLOPS:+--peak-tflops "$PEAK_TFLOPS"} --json "$OUT/bench.json" \
     gpt_config.n_layer=12 gpt_config.n_head=12 gpt_config.n_embd=768 gpt_config.dropout=0.0 data_config.block_size=256 \
     trainer_config.batch_size=64 trainer_config.mixed_precision=bf16 trainer_config.compile=true ${BENCH_ARGS:-} \

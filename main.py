@@ -11,7 +11,7 @@ process group exists) -> read the text -> set up the process group -> build GPT 
 
 from __future__ import annotations
 
-from forkserver import start_worker
+from mingpt.distributed.forkserver import start_worker
 
 # Before the imports below: under torchrun, die with the agent (torch alone takes seconds to import, and the agent
 # may die meanwhile), and run as a fork of the agent's fork server, which has imported everything once.
@@ -33,11 +33,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-import config
-from char_dataset import CharCorpus, resolve_path
-from compat import check_torch_supported
-from config import CONFIG_NAME, TrainConfig, redacted, scrub_hydra_output, sweep_job_name, to_dataclasses
-from distributed import (
+from char_dataset import CharCorpus
+from mingpt import config
+from mingpt.checkpoint.store import SnapshotStore
+from mingpt.compat import check_torch_supported
+from mingpt.config import CONFIG_NAME, TrainConfig, redacted, scrub_hydra_output, sweep_job_name, to_dataclasses
+from mingpt.distributed.process_group import (
     DistContext,
     abandon_distributed,
     check_launch_environment,
@@ -49,14 +50,14 @@ from distributed import (
     report_failure,
     setup_distributed,
 )
-from errors import UsageError, describe
+from mingpt.errors import UsageError, describe
+from mingpt.optim import OptimizerConfig, build_optimizer, learning_rate
+from mingpt.parallel.data_parallel import full_model_copy
+from mingpt.reporting.logs import setup_logging
+from mingpt.reporting.plot import LossPlotter
+from mingpt.storage.locations import resolve_path
 from model import GPT
-from optim import OptimizerConfig, build_optimizer, learning_rate
-from parallel import full_model_copy
-from plot import LossPlotter
-from reporting import setup_logging
 from sample import generate_text, one_core_spared
-from snapshot import SnapshotStore
 from trainer import Trainer, TrainerConfig, resolve_attention, resolve_precision
 
 log = logging.getLogger("mingpt")
@@ -67,7 +68,7 @@ def build_trainer(
     cfg: TrainConfig, corpus: CharCorpus, ctx: DistContext, run_dir: Optional[Path], with_snapshots: bool = True,
     store: Optional[SnapshotStore] = None,
 ) -> Trainer:
-    """Model, optimizer, schedule, snapshot store and Trainer, exactly as a training run gets them (bench.py too).
+    """Model, optimizer, schedule, snapshot store and Trainer, as a training run (and benchmarks/bench.py) gets them.
     `store`: the run's snapshot store if it was opened already (`open_snapshot_store`)."""
     block_size = cfg.data_config.block_size
     amp_dtype = resolve_precision(cfg.trainer_config.mixed_precision, ctx.device)
@@ -88,10 +89,8 @@ def build_trainer(
         "strategy": tc.strategy,
         "train_config": redacted(dataclasses.asdict(cfg)),
     }
-    return Trainer(
-        tc, model, optimizer, schedule, corpus.train_dataset(), corpus.val_dataset(), ctx, run_dir,
-        snapshots=store, snapshot_metadata=metadata,
-    )
+    return Trainer(tc, model, optimizer, schedule, corpus.train_dataset(), corpus.val_dataset(), ctx, run_dir,
+                   snapshots=store, snapshot_metadata=metadata)
 
 
 def open_snapshot_store(cfg: TrainerConfig) -> SnapshotStore:

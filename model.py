@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from errors import UsageError
+from mingpt.errors import UsageError
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "sdpa", "matmul")
 

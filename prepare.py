@@ -17,10 +17,10 @@ import sys
 import time
 from typing import Callable, Optional
 
-import config
 from char_dataset import CharCorpus
-from errors import UsageError
-from reporting import setup_logging
+from mingpt import config
+from mingpt.errors import UsageError
+from mingpt.reporting.logs import setup_logging
 
 
 def progress_bars() -> Optional[Callable[[str, int], Callable[[int], None]]]:

@@ -21,11 +21,12 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from char_dataset import CharVocab, resolve_path
-from config import precheck_config_overrides
-from errors import UsageError
+from char_dataset import CharVocab
+from mingpt.checkpoint.store import CorruptSnapshot, SnapshotStore, model_tensors, read_snapshot, snapshot_step
+from mingpt.config import precheck_config_overrides
+from mingpt.errors import UsageError
+from mingpt.storage.locations import resolve_path
 from model import GPT, GPTConfig
-from snapshot import CorruptSnapshot, SnapshotStore, model_tensors, read_snapshot, snapshot_step
 
 
 @dataclass

@@ -29,12 +29,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
-from char_dataset import EPOCH_ORDER, LEGACY_ORDER, ResumableDistributedSampler, check_location
-from checkpoint import Cadence, Checkpointer, Restored
-from compat import cpu_has_native_bf16
-from distributed import DistContext
-from errors import UsageError
-from parallel import (
+from char_dataset import EPOCH_ORDER, LEGACY_ORDER, ResumableDistributedSampler
+from mingpt.checkpoint.checkpointer import Cadence, Checkpointer, Restored
+from mingpt.checkpoint.store import SnapshotStore
+from mingpt.compat import cpu_has_native_bf16
+from mingpt.distributed.process_group import DistContext
+from mingpt.distributed.stopping import StopRequest
+from mingpt.errors import UsageError
+from mingpt.parallel.data_parallel import (
     ACTIVATION_CHECKPOINTING,
     STRATEGIES,
     ModelState,
@@ -46,9 +48,8 @@ from parallel import (
     sharded_gradient_scaler,
     wrap_model,
 )
-from reporting import PROGRESS_MODES, MetricsLog, Progress, report_end
-from snapshot import SnapshotStore
-from stopping import StopRequest
+from mingpt.reporting.logs import PROGRESS_MODES, MetricsLog, Progress, report_end
+from mingpt.storage.locations import check_location
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from shm_allreduce import SharedMemoryAllReduce  # noqa: E402
+from mingpt.parallel.shm_allreduce import SharedMemoryAllReduce  # noqa: E402
 
 N = 1001  # odd: no chunking or alignment assumption
 

@@ -11,10 +11,30 @@ import sys
 import time
 from pathlib import Path
 
-from char_dataset import PROJECT_DIR
-from reporting import read_metrics
+from mingpt import PROJECT_DIR
+from mingpt.reporting.logs import read_metrics
 
 PYTHON = sys.executable
+# What may sit at the project's root besides dotfiles: the design card's files, the commands a user runs, their
+# configs, and the project's own files (tests/test_style.py keeps the root to this).
+ROOT_ENTRIES = frozenset({
+    "main.py", "trainer.py", "model.py", "char_dataset.py", "gpt2_train_cfg.yaml", "data", "tests", "requirements.txt",
+    "sample.py", "sample_cfg.yaml", "snapshot.py", "prepare.py", "plot.py", "gpu_check.sh", "preset", "slurm",
+    "mingpt", "benchmarks", "docs", "README.md", "Makefile", "pyproject.toml", "pytest.ini",
+    "requirements-oldest.txt", "requirements-test.txt", "requirements-without-torch.txt",
+})
+
+
+def project_modules() -> list[Path]:
+    """Every Python file of the project but the tests': the root's commands, the mingpt package, benchmarks/, slurm/."""
+    return sorted([*PROJECT_DIR.glob("*.py"), *PROJECT_DIR.glob("mingpt/**/*.py"),
+                   *PROJECT_DIR.glob("benchmarks/*.py"), *PROJECT_DIR.glob("slurm/*.py")])
+
+
+def module_name(path: Path) -> str:
+    """mingpt/checkpoint/store.py -> mingpt.checkpoint.store; mingpt/__init__.py -> mingpt."""
+    parts = path.relative_to(PROJECT_DIR).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
 
 # A model and a data slice small enough that a run takes seconds on 2 CPU cores.

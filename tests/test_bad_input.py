@@ -25,7 +25,7 @@ from typing import Callable
 import pytest
 from support import PROJECT_DIR, TINY, assert_ok, cli, free_port, standalone, subprocess_env
 
-import snapshot as snap
+from mingpt.checkpoint import store as snap
 
 SNAPSHOTS = [snap.snapshot_name(5), snap.snapshot_name(10)]
 SHAKESPEARE = (PROJECT_DIR / "data" / "input.txt").read_text(encoding="utf-8")
@@ -109,7 +109,7 @@ def small_disk(mount: Path) -> None:
 
 def newer_cache(d: Path) -> None:
     """A cache of {d}/t.txt whose manifest says it was written by a newer format."""
-    from token_cache import FORMAT_VERSION, open_tokens
+    from mingpt.data.token_cache import FORMAT_VERSION, open_tokens
 
     tokens = open_tokens(str(write(d, "t.txt", SHAKESPEARE[:20000].encode())), "\n", d / "cache")
     manifest_path = tokens.path.parent / "manifest.json"

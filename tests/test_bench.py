@@ -6,6 +6,8 @@ import sys
 
 from support import PROJECT_DIR, TINY, assert_ok, cli, standalone, subprocess_env
 
+BENCH, BENCH_DATA = PROJECT_DIR / "benchmarks" / "bench.py", PROJECT_DIR / "benchmarks" / "bench_data.py"
+
 
 def check_result(result: dict, world_size: int) -> None:
     assert result["world_size"] == world_size and result["timed_steps"] == 4
@@ -19,7 +21,7 @@ def check_result(result: dict, world_size: int) -> None:
 def test_bench_single_process_with_snapshots_and_baseline(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(PROJECT_DIR / "bench.py"), "--steps", "4", "--warmup", "1", "--snapshots", "2",
+        [sys.executable, str(BENCH), "--steps", "4", "--warmup", "1", "--snapshots", "2",
          "--baseline", "nanogpt", "--json", str(out), *TINY, f"trainer_config.snapshot_path={tmp_path / 'snaps'}"],
         cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120,
     )
@@ -38,7 +40,7 @@ def test_bench_single_process_with_snapshots_and_baseline(tmp_path):
 
 def test_bench_under_torchrun_with_scaling(tmp_path):
     proc = subprocess.run(
-        cli(["--steps", "4", "--warmup", "1", "--scaling", *TINY], standalone(2), script="bench.py"),
+        cli(["--steps", "4", "--warmup", "1", "--scaling", *TINY], standalone(2), script="benchmarks/bench.py"),
         cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120,
     )
     assert_ok(proc)
@@ -52,18 +54,19 @@ def test_bench_under_torchrun_with_scaling(tmp_path):
 
 
 def test_bench_comparisons_refuse_the_wrong_launch(tmp_path):
-    proc = subprocess.run([sys.executable, str(PROJECT_DIR / "bench.py"), "--steps", "1", "--scaling", *TINY],
+    proc = subprocess.run([sys.executable, str(BENCH), "--steps", "1", "--scaling", *TINY],
                           cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "error: --scaling compares the processes of a torchrun job with one of them alone: run bench.py under torchrun"
+        "error: --scaling compares the processes of a torchrun job with one of them alone: "
+        "run benchmarks/bench.py under torchrun"
     ], proc.stderr
 
 
 def test_nanogpt_baseline_keeps_nanogpts_attention():
     """The reference loop is nanoGPT's: torch's sdpa attention even when ours is told to use matmul attention."""
-    import bench
-    import config
+    from benchmarks import bench
     from char_dataset import CharCorpus
+    from mingpt import config
     from model import CausalSelfAttention
 
     cfg = config.compose_config(["preset=nanogpt_cpu", "gpt_config.attention=matmul", "data_config.truncate=0.05"])
@@ -76,7 +79,7 @@ def test_bench_data_encodes_both_corpora_and_times_the_order(tmp_path):
     """bench_data.py's encode and order parts on a 2 MB corpus (its launch part runs whole torchrun jobs: the
     README's figures, not a test)."""
     out = tmp_path / "data.json"
-    proc = subprocess.run([sys.executable, str(PROJECT_DIR / "bench_data.py"), "--only", "encode,order", "--size-mb",
+    proc = subprocess.run([sys.executable, str(BENCH_DATA), "--only", "encode,order", "--size-mb",
                            "2", "--rounds", "1", "--json", str(out)], cwd=tmp_path, env=subprocess_env(tmp_path),
                           capture_output=True, text=True, timeout=300)
     assert_ok(proc)

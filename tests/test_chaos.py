@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-import chaos
+from benchmarks import chaos
 
 
 def _check(result: dict) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from support import TINY, assert_ok, cli, own_snapshots, run_cli, standalone, subprocess_env
 
-from reporting import read_metrics
+from mingpt.reporting.logs import read_metrics
 
 
 def assert_trained(run_dir: Path, world_size: int) -> list[dict]:

@@ -10,11 +10,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import filesystem
 from torch.nn.parallel import DistributedDataParallel
 
-import compat
-from distributed import cuda_device
-from errors import UsageError
-from sharded import ShardedWriter
-from snapshot import SnapshotStore
+from mingpt import compat
+from mingpt.checkpoint.sharded import ShardedWriter
+from mingpt.checkpoint.store import SnapshotStore
+from mingpt.distributed.process_group import cuda_device
+from mingpt.errors import UsageError
 
 pytestmark = pytest.mark.oldest_torch
 

@@ -7,7 +7,7 @@ snapshot moves between them (attention is how the model computes, not its shape)
 
 from support import TINY, assert_ok, run_cli
 
-from reporting import read_metrics
+from mingpt.reporting.logs import read_metrics
 
 
 def compile_args(tmp_path, name: str, max_steps: int, *extra: str) -> list[str]:

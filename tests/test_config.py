@@ -5,9 +5,10 @@ import dataclasses
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from support import project_modules
 
-import config
-from errors import UsageError
+from mingpt import config
+from mingpt.errors import UsageError
 from sample import SampleConfig
 
 
@@ -137,7 +138,7 @@ def test_sweep_jobs_cover_every_value_without_the_whole_product():
 def test_the_project_reaches_hydra_through_its_public_interface_only():
     """Hydra's internals (hydra._internal) change between releases: no module of the project imports them; every
     run goes through @hydra.main and the compose API (the default run's own process: tests/test_cli.py)."""
-    sources = [p for p in config.PROJECT_DIR.glob("*.py")]
+    sources = project_modules()
     assert len(sources) > 10
     offenders = [p.name for p in sources if "hydra._internal" in p.read_text(encoding="utf-8")]
     assert offenders == []

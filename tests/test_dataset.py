@@ -18,7 +18,6 @@ import pytest
 import torch
 from support import PROJECT_DIR
 
-import token_cache
 from char_dataset import (
     LEGACY_ORDER,
     CharCorpus,
@@ -29,8 +28,9 @@ from char_dataset import (
     ResumableDistributedSampler,
     resolve_path,
 )
-from errors import UsageError
-from token_cache import CharScan, Encoder, entry_dir, open_tokens, utf8_chunks
+from mingpt.data import token_cache
+from mingpt.data.token_cache import CharScan, Encoder, entry_dir, open_tokens, utf8_chunks
+from mingpt.errors import UsageError
 
 SHAKESPEARE = (PROJECT_DIR / "data" / "input.txt").read_text(encoding="utf-8")
 
@@ -526,8 +526,8 @@ def test_an_unreadable_folder_among_many_is_named_not_left_out():
         books(base / "corpus", {"a/1.txt": "readable " * 10, "b/2.txt": "hidden from nobody " * 10})
         os.system(f"chmod -R a+rX {base}")
         (base / "corpus" / "b").chmod(0)
-        script = (f"import sys; sys.path.insert(0, {str(PROJECT_DIR)!r}); import token_cache; "
-                  f"from errors import UsageError\n"
+        script = (f"import sys; sys.path.insert(0, {str(PROJECT_DIR)!r}); from mingpt.data import token_cache; "
+                  f"from mingpt.errors import UsageError\n"
                   f"for where in sys.argv[1:]:\n"
                   f"    try: print('listed', token_cache.list_sources(where))\n"
                   f"    except UsageError as e: print(e)")

@@ -23,8 +23,8 @@ from support import (
     wait_for,
 )
 
-import snapshot as snapshot_format
-from reporting import read_metrics
+from mingpt.checkpoint import store as snapshot_format
+from mingpt.reporting.logs import read_metrics
 
 BATCH = 8  # trainer_config.batch_size of TINY: global samples per step = BATCH x nodes
 MAX_STEPS = 40

@@ -28,8 +28,8 @@ from support import (
     wait_for,
 )
 
-import forkserver
-from char_dataset import PROJECT_DIR
+from mingpt import PROJECT_DIR
+from mingpt.distributed import forkserver
 
 
 class Agent:
@@ -156,7 +156,7 @@ def test_what_a_fork_would_get_wrong_is_refused_and_started_as_usual(agent, tmp_
     assert output.count("forkserver:") == 1 and "trainer_config" in output
 
     server = agent.server()
-    source = PROJECT_DIR / "errors.py"
+    source = PROJECT_DIR / "mingpt" / "errors.py"
     stamp = source.stat()
     try:
         os.utime(source, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))  # as an edit between restarts
@@ -172,7 +172,8 @@ def test_what_a_fork_would_get_wrong_is_refused_and_started_as_usual(agent, tmp_
 
 def test_used_under_torchrun_only_when_switched_on():
     def applies(**env: str) -> str:
-        check = subprocess.run([PYTHON, "-c", "import forkserver; print(forkserver._applies())"], cwd=PROJECT_DIR,
+        check = subprocess.run([PYTHON, "-c", "from mingpt.distributed import forkserver as f; print(f._applies())"],
+                               cwd=PROJECT_DIR,
                                env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
         return check.stdout.strip()
 
@@ -201,7 +202,7 @@ def test_a_stop_under_way_outlives_more_sigterms():
     get SIGTERM again after it agreed to stop; that must not end it while it writes its snapshot."""
     code = """if True:
         import os, signal, time, torch
-        from stopping import StopRequest
+        from mingpt.distributed.stopping import StopRequest
         stop = StopRequest(0, torch.device("cpu"), None, 5.0, lambda: None)
         with stop.watch():
             os.kill(os.getpid(), signal.SIGTERM)

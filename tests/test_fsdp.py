@@ -16,14 +16,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import sharded
-import snapshot as snap
+import snapshot as snapshot_tool
 from char_dataset import CharCorpus, DataConfig
-from distributed import DistContext
-from errors import CorruptSnapshot, UsageError
+from mingpt.checkpoint import sharded
+from mingpt.checkpoint import store as snap
+from mingpt.distributed.process_group import DistContext
+from mingpt.errors import CorruptSnapshot, UsageError
+from mingpt.optim import OptimizerConfig, build_optimizer, learning_rate
+from mingpt.parallel.data_parallel import (
+    checkpoint_activations,
+    named_optimizer_state,
+    numbered_optimizer_state,
+    parameter_names,
+)
 from model import GPT, GPTConfig
-from optim import OptimizerConfig, build_optimizer, learning_rate
-from parallel import checkpoint_activations, named_optimizer_state, numbered_optimizer_state, parameter_names
 from sample import load_snapshot, model_from_snapshot
 from trainer import Trainer, TrainerConfig, eval_lockstep
 
@@ -287,7 +293,7 @@ def test_snapshot_cli_lists_consolidates_and_exports(tmp_path, capsys):
     make_trainer(tmp_path / "s", max_steps=6).fit()
 
     def run(*args: str) -> tuple[int, str, str]:
-        code = snap.cli(list(args))
+        code = snapshot_tool.cli(list(args))
         out, err = capsys.readouterr()
         return code, out, err
 
@@ -423,7 +429,7 @@ def hidden(folder) -> list[str]:
 
 def test_a_failing_sharded_save_is_retried_and_leaves_nothing_behind(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(snap, "SAVE_FIRST_BACKOFF_S", 0.01)
-    caplog.set_level(logging.INFO, logger="sharded")
+    caplog.set_level(logging.INFO, logger="mingpt.checkpoint.sharded")
     calls = fail_shard_writes(monkeypatch, 2, OSError(errno.EIO, "I/O error"))
     make_trainer(tmp_path, max_steps=4).fit()
     assert calls[0] == 3 and "attempt 2 of 4 failed (rank 0: OSError: [Errno 5] I/O error)" in caplog.text

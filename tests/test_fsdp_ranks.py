@@ -13,8 +13,8 @@ import pytest
 import torch
 from support import TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
 
-import compat
-import snapshot as snap
+from mingpt import compat
+from mingpt.checkpoint import store as snap
 
 
 def fsdp_args(snaps, run_dir, strategy: str = "fsdp", max_steps: int = 40) -> list[str]:

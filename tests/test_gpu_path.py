@@ -8,13 +8,13 @@ import pytest
 import torch
 from support import TINY, assert_ok, run_cli
 
-import bench
+from benchmarks import bench
 from char_dataset import CharCorpus, DataConfig
-from distributed import DistContext
-from errors import UsageError
+from mingpt.distributed.process_group import DistContext
+from mingpt.errors import UsageError
+from mingpt.optim import OptimizerConfig, build_optimizer, learning_rate
+from mingpt.reporting.logs import read_metrics
 from model import GPT, GPTConfig
-from optim import OptimizerConfig, build_optimizer, learning_rate
-from reporting import read_metrics
 from trainer import Trainer, TrainerConfig, resolve_precision, validation_loss
 
 CUDA = torch.device("cuda", 0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from support import TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
 
-import snapshot as snap
+from mingpt.checkpoint import store as snap
 
 
 def job_args(snaps: Path, run_dir: Path, max_steps: int, every: int = 10) -> list[str]:

@@ -10,7 +10,7 @@ import time
 
 from support import cli, subprocess_env
 
-from reporting import read_metrics
+from mingpt.reporting.logs import read_metrics
 
 STEPS, SAVE_EVERY, KEEP_LAST, LOG_EVERY, EVAL_EVERY = 3000, 25, 2, 100, 400
 WARM, LATE = 500, STEPS - 200  # RSS compared between these two steps (the first evaluation, at 400, is before)

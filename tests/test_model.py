@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from errors import UsageError
+from mingpt.errors import UsageError
 from model import GPT, GPTConfig, causal_attention_matmul, causal_attention_sdpa
 
 

@@ -3,9 +3,9 @@ import copy
 import pytest
 import torch
 
-from errors import UsageError
+from mingpt.errors import UsageError
+from mingpt.optim import OptimizerConfig, build_optimizer, learning_rate
 from model import GPT, GPTConfig
-from optim import OptimizerConfig, build_optimizer, learning_rate
 
 
 def test_schedule_warms_up_then_decays_to_floor():

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 from support import TINY, child_pids, cli, fork_servers, standalone, subprocess_env, wait_for
 
-from reporting import read_metrics
+from mingpt.reporting.logs import read_metrics
 
 KILLS = 6
 

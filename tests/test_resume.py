@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from support import PROJECT_DIR, TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
 
-import snapshot as snap
-from reporting import read_metrics
+from mingpt.checkpoint import store as snap
+from mingpt.reporting.logs import read_metrics
 from trainer import cpu_has_native_bf16
 
 

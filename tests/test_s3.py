@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from support import PROJECT_DIR, TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
 
-import snapshot as snap
+from mingpt.checkpoint import store as snap
 
 
 def args_for(url: str, run_dir, max_steps: int) -> list[str]:
@@ -96,7 +96,7 @@ def test_a_corpus_under_an_s3_prefix_is_downloaded_once_and_encoded_as_the_same_
     """Three objects under s3://corpus/books/ (and one beside them that the glob leaves out), two processes: one
     download into the cache, one vocabulary over the three, the same ids as the same files read locally."""
     from char_dataset import CharCorpus, DataConfig
-    from token_cache import default_cache_dir, entry_dir, open_tokens
+    from mingpt.data.token_cache import default_cache_dir, entry_dir, open_tokens
 
     s3.create_bucket(Bucket="corpus")
     text = (PROJECT_DIR / "data" / "input.txt").read_text(encoding="utf-8")[:60_000]

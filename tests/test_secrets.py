@@ -16,7 +16,7 @@ import pytest
 from support import PROJECT_DIR, PYTHON, TINY, assert_ok, cli, run_cli, subprocess_env
 from test_snapshot import make_snapshot
 
-import snapshot as snap
+from mingpt.checkpoint import store as snap
 
 ENV_KEY_ID = "AKIAENVLEAKCHECK0001"
 ENV_SECRET = "env/Secret+LEAKCHECK/0002"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from support import TINY, assert_ok, cli, run_cli, standalone, subprocess_env
 
-from reporting import read_metrics
+from mingpt.reporting.logs import read_metrics
 
 
 def test_three_processes_average_exactly_or_fall_back_together_and_leave_no_files(tmp_path):
@@ -61,7 +61,7 @@ def _ranks_in_threads(world: int, n: int) -> list:
     """`world` reducers over plain memory, as ranks in threads of this process would use them (spinning barrier)."""
     import numpy as np
 
-    from shm_allreduce import PID, START, SharedMemoryAllReduce, _start_time
+    from mingpt.parallel.shm_allreduce import PID, START, SharedMemoryAllReduce, _start_time
 
     halves = [[torch.zeros(n) for _ in range(world)] for _ in range(2)]
     controls = [np.zeros(8, dtype=np.int64) for _ in range(world)]
@@ -73,7 +73,7 @@ def _ranks_in_threads(world: int, n: int) -> list:
 def test_the_stop_flag_rides_on_the_reduction_and_every_rank_stops_after_the_same_step():
     """stopping.CarriedVote: rank 1 is asked to stop after step 2; step 3's reduction carries it, and both ranks
     agree after step 3 (as StopVote's one-step-later agreement), with exact averages all along."""
-    from stopping import CarriedVote
+    from mingpt.distributed.stopping import CarriedVote
 
     reducers = _ranks_in_threads(2, 1001)
     seen: dict[int, list] = {0: [], 1: []}
@@ -96,7 +96,7 @@ def test_the_stop_flag_rides_on_the_reduction_and_every_rank_stops_after_the_sam
 
 def test_a_rank_whose_peer_process_is_gone_raises_instead_of_waiting():
     """gloo would notice the closed connection; the shared-memory barrier looks for the peer's process."""
-    from shm_allreduce import PID
+    from mingpt.parallel.shm_allreduce import PID
 
     reducers = _ranks_in_threads(2, 16)
     ended = subprocess.Popen(["true"])

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from support import PROJECT_DIR, TINY, free_port, subprocess_env, wait_for
 
-import snapshot
+from mingpt.checkpoint import store as snapshot
 
 # 4.5-6 ms a step on 2 cores since the gradient barrier moved into /dev/shm, so 54-72 s of training: longer than a
 # 1-minute job runs before its early signal (below). 4,000 steps (20.6 s) once finished before the signal came.

@@ -11,8 +11,8 @@ import pytest
 import torch
 from support import PROJECT_DIR, assert_ok
 
-import snapshot as snap
-from errors import UsageError
+from mingpt.checkpoint import store as snap
+from mingpt.errors import UsageError
 from model import GPT, GPTConfig
 
 VOCAB = "abcdefghij"
@@ -281,7 +281,7 @@ def test_a_store_failing_while_reading_snapshots_is_retried_as_a_save_is(tmp_pat
     store = snap.SnapshotStore(str(tmp_path))
     store.write(snap.snapshot_name(10), snap.to_bytes(make_snapshot(10)))
     calls = fail_first(monkeypatch, store, "cat_file", 2, ConnectionResetError(104, "Connection reset by peer"))
-    with caplog.at_level(logging.INFO, logger="snapshot"):
+    with caplog.at_level(logging.INFO, logger="mingpt.checkpoint.store"):
         entry, _ = store.load_newest_valid(*expected(make_snapshot(10)))
     assert entry.step == 10 and len(calls) == 3
     retries = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]

@@ -24,8 +24,8 @@ import s3fs
 import torch
 from support import TINY, assert_ok, cli, free_port, logged_step, subprocess_env, wait_for
 
-import snapshot as snap
-from errors import UsageError
+from mingpt.checkpoint import store as snap
+from mingpt.errors import UsageError
 
 SNAPSHOT_BYTES_MAX = 400_000  # a TINY snapshot is ~358 KB; the file-size limit and the tmpfs size depend on it
 
@@ -142,7 +142,7 @@ def test_unreachable_store_is_reported_within_seconds(monkeypatch):
 
 
 def test_save_retries_with_backoff_until_the_server_returns(s3_server, s3, caplog):
-    caplog.set_level(logging.INFO, logger="snapshot")
+    caplog.set_level(logging.INFO, logger="mingpt.checkpoint.store")
     s3.create_bucket(Bucket="retry")
     writer = snap.BackgroundWriter(snap.SnapshotStore("s3://retry/run"), keep_last=5)
     submit(writer, 10)
@@ -291,7 +291,7 @@ def test_a_failed_multipart_save_leaves_no_incomplete_upload(s3_server, s3, monk
 def test_incomplete_uploads_of_killed_saves_are_aborted_by_the_next_save(s3_server, s3, caplog):
     """A save killed mid-upload (SIGKILL, a lost node) leaves its parts; the next completed save aborts them, and
     only the uploads of snapshots in its own location."""
-    caplog.set_level(logging.INFO, logger="snapshot")
+    caplog.set_level(logging.INFO, logger="mingpt.checkpoint.store")
     s3.create_bucket(Bucket="killed")
     keys = ["run/snapshot-000000010.pt", "run/notes.bin", "run/sub/snapshot-000000010.pt",
             "other/snapshot-000000010.pt"]
@@ -407,7 +407,7 @@ def test_full_disk_then_read_only_disk_fail_clearly_and_keep_the_previous_snapsh
 
 def test_location_that_turns_read_only_mid_run_fails_the_save_without_retrying(tmp_path, small_tmpfs, caplog):
     """In-process: the writer meets EROFS after the location was checked; one line, no retries, nothing changed."""
-    caplog.set_level(logging.INFO, logger="snapshot")
+    caplog.set_level(logging.INFO, logger="mingpt.checkpoint.store")
     writer = snap.BackgroundWriter(snap.SnapshotStore(str(small_tmpfs)), keep_last=2)
     submit(writer, 10)
     writer.wait()

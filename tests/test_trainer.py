@@ -6,15 +6,15 @@ import json
 import pytest
 import torch
 
-import config
 import main
 from char_dataset import CharCorpus, DataConfig
-from distributed import DistContext, setup_distributed
-from errors import UsageError
+from mingpt import config
+from mingpt.checkpoint.store import SnapshotStore
+from mingpt.distributed.process_group import DistContext, setup_distributed
+from mingpt.errors import UsageError
+from mingpt.optim import OptimizerConfig, build_optimizer, learning_rate
+from mingpt.reporting.logs import read_metrics
 from model import GPT, GPTConfig
-from optim import OptimizerConfig, build_optimizer, learning_rate
-from reporting import read_metrics
-from snapshot import SnapshotStore
 from trainer import (
     Trainer,
     TrainerConfig,
@@ -144,8 +144,8 @@ def test_a_snapshot_older_than_the_epoch_order_finishes_its_epoch_in_its_own_ord
     """A snapshot written mid-epoch before `epoch_order` existed (no such field: torch.randperm's order) resumes
     that epoch in randperm's order and the next in the current one: the same weights as a run that never stopped
     (its first epoch in randperm's order too); one of an unknown order is refused in one line."""
-    import snapshot as snap
     from char_dataset import EPOCH_ORDER, LEGACY_ORDER
+    from mingpt.checkpoint import store as snap
 
     common = {"max_epochs": 2, "batch_size": 256, "eval_every_steps": 0, "save_every_steps": 30, "keep_last": 9}
     whole = make_trainer(snapshots=tmp_path / "whole", **common)
@@ -176,7 +176,7 @@ def test_a_snapshot_older_than_the_epoch_order_finishes_its_epoch_in_its_own_ord
 @pytest.mark.parametrize("max_norm", [1e9, 0.05])  # nothing clipped; everything clipped
 def test_clipping_gives_torchs_bits(max_norm):
     """parallel.clip_grad_norm (the norm returned as a plain tensor, also under FSDP) against torch.nn.utils."""
-    from parallel import clip_grad_norm
+    from mingpt.parallel.data_parallel import clip_grad_norm
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=11, block_size=8))

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from support import PROJECT_DIR, PYTHON, TINY, assert_ok, cli, run_cli, subprocess_env
 
-import plot
-from reporting import read_metrics
+from mingpt.reporting import plot
+from mingpt.reporting.logs import read_metrics
 
 
 @pytest.fixture(scope="module")

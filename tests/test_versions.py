@@ -11,8 +11,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-import compat
-from char_dataset import PROJECT_DIR
+from mingpt import PROJECT_DIR, compat
 
 tomllib = pytest.importorskip("tomllib")
 pytestmark = pytest.mark.oldest_torch

@@ -22,12 +22,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-import snapshot as snapshot_lib
-from distributed import DistContext
-from snapshot import SnapshotStore
+from mingpt.checkpoint import store as snapshot_lib
+from mingpt.checkpoint.store import SnapshotStore
+from mingpt.distributed.process_group import DistContext
 
 if TYPE_CHECKING:
-    from sharded import ShardedWriter
+    from mingpt.checkpoint.sharded import ShardedWriter
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,9 @@ class Checkpointer:
         """Collective when sharded (every rank saves at the same step): the snapshot threads' own group."""
         if not self.sharded:
             return snapshot_lib.BackgroundWriter(self.store, self.cadence.keep_last)
-        from sharded import ShardedWriter  # imports torch.distributed.checkpoint: only sharded runs pay for it
+        from mingpt.checkpoint.sharded import (
+            ShardedWriter,  # imports torch.distributed.checkpoint: only sharded runs pay for it
+        )
 
         store, keep_last = self.store, self.cadence.keep_last
         return ShardedWriter(store, self.ctx.rank, self._snapshot_group(), snapshot_lib.SAVE_ATTEMPTS,
@@ -118,7 +120,7 @@ class Checkpointer:
     def _snapshot_group(self) -> Any:
         """Collective the first time (every rank saves or loads shards at the same point)."""
         if self._group is None and self.ctx.distributed:
-            from sharded import new_group
+            from mingpt.checkpoint.sharded import new_group
 
             self._group = new_group()
         return self._group
@@ -167,7 +169,7 @@ class Checkpointer:
         (this rank's shards, or full tensors), at this run's world size, whatever the snapshot's was."""
         templates = {key: obj.named_state_dict() for key, obj in self.stateful.items()
                      if hasattr(obj, "named_state_dict")}
-        from sharded import merge, split_tensors
+        from mingpt.checkpoint.sharded import merge, split_tensors
 
         tensors, _ = split_tensors(templates)
         snap["shards"].load_into(tensors, self._snapshot_group())  # gloo: DCP exchanges its plans as objects

@@ -1,10 +1,10 @@
 """Benchmark the data layer: encoding throughput, what a large corpus adds to a launch, the epoch order's cost.
 
-    python bench_data.py                              # all three, on a 340 MB corpus of 34 files (generated)
-    python bench_data.py --only encode --size-mb 100  # encoding: mostly-ASCII and mixed-script, one core
-    python bench_data.py --only launch --rounds 5     # torchrun, 2 processes, 5 steps: tiny-shakespeare vs large
-    python bench_data.py --only order                 # the epoch order: time and memory per index, by corpus size
-    python bench_data.py --json result.json           # also write the numbers as JSON
+    python benchmarks/bench_data.py                              # all three, on a 340 MB corpus of 34 files (generated)
+    python benchmarks/bench_data.py --only encode --size-mb 100  # encoding: mostly-ASCII and mixed-script, one core
+    python benchmarks/bench_data.py --only launch --rounds 5  # torchrun, 2 procs, 5 steps: small vs large
+    python benchmarks/bench_data.py --only order  # the epoch order: time and memory per index, by corpus size
+    python benchmarks/bench_data.py --json result.json           # also write the numbers as JSON
 
 **encode**: the cache build of a generated corpus, in this process (one core: OMP/MKL threads play no part),
 median of `--rounds` builds into a fresh cache folder. Two corpora: "mostly ASCII" (tiny-shakespeare with one
@@ -24,6 +24,11 @@ and the sampler's peak Python allocation while it yields 100,000 indices.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's root: main.py, mingpt/
+
 import argparse
 import json
 import os
@@ -39,8 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
-from char_dataset import PROJECT_DIR, EpochOrder, ResumableDistributedSampler
-from token_cache import open_tokens
+from char_dataset import EpochOrder, ResumableDistributedSampler
+from mingpt import PROJECT_DIR
+from mingpt.data.token_cache import open_tokens
 
 SHAKESPEARE = PROJECT_DIR / "data" / "input.txt"
 EXTRA_CHARS = ([chr(c) for c in range(0xC0, 0x180)] + [chr(c) for c in range(0x391, 0x3CA) if c != 0x3A2]

@@ -43,8 +43,8 @@ import fsspec
 import fsspec.implementations.local
 import numpy as np
 
-from durable import fsync_folder
-from errors import UsageError, first_line
+from mingpt.errors import UsageError, first_line
+from mingpt.storage.durable import fsync_folder
 
 log = logging.getLogger("mingpt")
 

@@ -1,13 +1,13 @@
 """Benchmark the real training step: median step time, tokens/s (all ranks together), MFU, snapshot blocking.
 
-    python bench.py preset=nanogpt_cpu                                   # 1 process (threads: OMP_NUM_THREADS)
-    OMP_NUM_THREADS=1 python bench.py preset=nanogpt_cpu                 # 1 process, 1 thread
-    torchrun --standalone --nproc_per_node=2 bench.py preset=nanogpt_cpu # 2 processes x 1 thread
-    python bench.py --snapshots 3                                        # + time training is blocked per snapshot
-    python bench.py --steps 50 --json result.json trainer_config.compile=true gpt_config.n_layer=12 ...
-    python bench.py --baseline nanogpt preset=nanogpt_cpu                # + nanoGPT's CPU loop, step for step
-    torchrun --standalone --nproc_per_node=2 bench.py --snapshots 3 trainer_config.strategy=fsdp  # sharded
-    torchrun --standalone --nproc_per_node=2 bench.py --scaling preset=nanogpt_cpu  # + against 1 process alone
+    python benchmarks/bench.py preset=nanogpt_cpu  # 1 process (threads: OMP_NUM_THREADS)
+    OMP_NUM_THREADS=1 python benchmarks/bench.py preset=nanogpt_cpu                 # 1 process, 1 thread
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench.py preset=nanogpt_cpu # 2 processes x 1 thread
+    python benchmarks/bench.py --snapshots 3  # + time training is blocked per snapshot
+    python benchmarks/bench.py --steps 50 --json result.json trainer_config.compile=true gpt_config.n_layer=12 ...
+    python benchmarks/bench.py --baseline nanogpt preset=nanogpt_cpu  # + nanoGPT's CPU loop, step for step
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench.py --snapshots 3 trainer_config.strategy=fsdp  # sharded
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench.py --scaling preset=nanogpt_cpu  # + 1 process alone
 
 Arguments starting with `--` are the benchmark's own; everything else is a Hydra override, exactly as for main.py.
 The steps timed are `Trainer` steps of the same model, data path, optimizer, DDP wrapper and mixed precision that
@@ -36,6 +36,11 @@ ranks over N x the one-process tokens/s.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's root: main.py, mingpt/
+
 import argparse
 import dataclasses
 import json
@@ -50,15 +55,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-import config
-import distributed
 import main
-import reporting
 from char_dataset import CharCorpus
-from distributed import DistContext
-from errors import UsageError
+from mingpt import config
+from mingpt.distributed import process_group as distributed
+from mingpt.distributed.process_group import DistContext
+from mingpt.errors import UsageError
+from mingpt.parallel.data_parallel import is_dtensor
+from mingpt.reporting import logs as reporting
 from model import GPT
-from parallel import is_dtensor
 from trainer import Trainer, TrainerConfig
 
 log = logging.getLogger("bench")
@@ -263,7 +268,7 @@ def time_training(args, cfg, corpus: CharCorpus, ctx: DistContext, trainer: Trai
     if args.scaling:
         if not ctx.distributed:
             raise UsageError("--scaling compares the processes of a torchrun job with one of them alone: "
-                             "run bench.py under torchrun")
+                             "run benchmarks/bench.py under torchrun")
         solo = None
         if ctx.is_main:
             alone = DistContext.single_process(ctx.device)  # no DDP or FSDP, no collectives

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from tensorboard_events import EventFile
+from mingpt.reporting.tensorboard_events import EventFile
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"

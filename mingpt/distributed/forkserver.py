@@ -42,9 +42,10 @@ import threading
 import time
 from typing import Any, Iterable, Optional
 
-import orphans
+from mingpt.distributed import orphans
 
-PROJECT_DIR = os.path.dirname(os.path.realpath(__file__))
+PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))  # main.py's folder
+PACKAGE_DIR = os.path.join(PROJECT_DIR, "mingpt")
 SWITCH = "MINGPT_FORKSERVER"  # "1": workers are forks of the agent's server; anything else: torchrun's own workers
 # What torchrun sets per worker and per attempt; read at run time only, so a fork may differ from the server in it.
 PER_WORKER = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
@@ -276,7 +277,7 @@ class Server:
                 importlib.import_module(module)
             import torch
 
-            import config
+            from mingpt import config
 
             config.warm_up()
 
@@ -431,9 +432,13 @@ def _per_worker(name: str) -> bool:
 
 
 def project_sources() -> list[str]:
-    """The files of this project's imported modules."""
+    """The files of this project's imported modules: those at its root and those of the mingpt package."""
     paths = (getattr(module, "__file__", None) for module in list(sys.modules.values()))
-    return [path for path in paths if path and os.path.dirname(os.path.realpath(path)) == PROJECT_DIR]
+    return [path for path in paths if path and _in_project(os.path.realpath(path))]
+
+
+def _in_project(path: str) -> bool:
+    return os.path.dirname(path) == PROJECT_DIR or path.startswith(PACKAGE_DIR + os.sep)
 
 
 def source_stamps(paths: Iterable[str]) -> dict[str, tuple[int, int]]:

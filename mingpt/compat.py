@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from errors import UsageError
+from mingpt.errors import UsageError
 
 OLDEST_TORCH = (2, 6)  # the oldest release CI runs (.ci/run's second leg)
 NEWEST_TORCH = (2, 15)  # the newest release the package index served when the range was last checked

@@ -40,10 +40,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from compat import dcp_alone
-from durable import fsync_folder
-from errors import CorruptSnapshot, UsageError, describe, is_permanent
-from parallel import numbered_optimizer_state
+from mingpt.compat import dcp_alone
+from mingpt.errors import CorruptSnapshot, UsageError, describe, is_permanent
+from mingpt.parallel.data_parallel import numbered_optimizer_state
+from mingpt.storage.durable import fsync_folder
 
 log = logging.getLogger(__name__)
 

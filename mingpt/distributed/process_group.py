@@ -29,10 +29,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from compat import abort_process_group
-from errors import UsageError
-from orphans import agent_alive, agent_pid
-from stopping import exit_now
+from mingpt.compat import abort_process_group
+from mingpt.distributed.orphans import agent_alive, agent_pid
+from mingpt.distributed.stopping import exit_now
+from mingpt.errors import UsageError
 
 log = logging.getLogger(__name__)
 

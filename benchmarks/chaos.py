@@ -1,7 +1,7 @@
 """Chaos harness: SIGKILL a 2-process CPU torchrun job at random moments and check that it always comes back.
 
-    python chaos.py --trials 20 --seed 1                      # the table; 45-135 s per trial on a busy 2-core box
-    python chaos.py --trials 3 --json chaos.json --workdir /tmp/chaos --keep
+    python benchmarks/chaos.py --trials 20 --seed 1  # the table; 45-135 s per trial on a busy 2-core box
+    python benchmarks/chaos.py --trials 3 --json chaos.json --workdir /tmp/chaos --keep
 
 One uninterrupted reference run of a tiny model with a snapshot every few steps, then N trials of the same job.
 Each trial SIGKILLs it --kills times, each time at a moment drawn from the seed, and restarts it:
@@ -30,6 +30,11 @@ Exit status: 0 when every trial resumed and ended identical, 1 otherwise.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's root: main.py, mingpt/
+
 import argparse
 import json
 import os
@@ -45,9 +50,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from char_dataset import PROJECT_DIR
-from reporting import read_metrics
-from snapshot import snapshot_step
+from mingpt import PROJECT_DIR
+from mingpt.checkpoint.store import snapshot_step
+from mingpt.reporting.logs import read_metrics
 
 MOMENTS = ("startup", "step", "eval", "save")
 RESTARTS = ("torchrun", "rerun")
@@ -437,6 +442,7 @@ def freeze_code(folder: Path) -> Path:
     for path in [*PROJECT_DIR.glob("*.py"), *PROJECT_DIR.glob("*.yaml")]:
         shutil.copy2(path, folder / path.name)
     shutil.copytree(PROJECT_DIR / "preset", folder / "preset")
+    shutil.copytree(PROJECT_DIR / "mingpt", folder / "mingpt", ignore=shutil.ignore_patterns("__pycache__"))
     return folder
 
 

@@ -28,9 +28,9 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from compat import CPU_FSDP_TORCH, ddp_no_buffer_sync, require_torch
-from distributed import DistContext
-from shm_allreduce import FLOAT_BYTES, SharedMemoryAllReduce, shared_memory_allreduce_hook
+from mingpt.compat import CPU_FSDP_TORCH, ddp_no_buffer_sync, require_torch
+from mingpt.distributed.process_group import DistContext
+from mingpt.parallel.shm_allreduce import FLOAT_BYTES, SharedMemoryAllReduce, shared_memory_allreduce_hook
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from errors import UsageError
+from mingpt.errors import UsageError
 from model import GPT
 
 

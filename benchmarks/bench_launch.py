@@ -1,11 +1,11 @@
 """Benchmark whole processes, as a user runs them: start-up, restart latency, and the training step as each
 program's own log reports it, against nanoGPT's train.py.
 
-    python bench_launch.py --only startup                    # start-up: 5 launches of 1 step, median and spread
-    python bench_launch.py --only startup --nanogpt ../nanoGPT   # ... alternating with nanoGPT's train.py (paired)
-    python bench_launch.py --only restart --kills 3 --restart-rounds 4   # restarts, with and without the fork server
-    python bench_launch.py --only step --nanogpt ../nanoGPT  # the step: whole runs of both, alternating
-    python bench_launch.py --nanogpt ../nanoGPT --json r.json    # all three; also write the numbers as JSON
+    python benchmarks/bench_launch.py --only startup  # start-up: 5 launches of 1 step, median and spread
+    python benchmarks/bench_launch.py --only startup --nanogpt ../nanoGPT  # paired with nanoGPT's train.py
+    python benchmarks/bench_launch.py --only restart --kills 3 --restart-rounds 4  # with and without the fork server
+    python benchmarks/bench_launch.py --only step --nanogpt ../nanoGPT  # the step: whole runs of both, alternating
+    python benchmarks/bench_launch.py --nanogpt ../nanoGPT --json r.json    # all three; also write the numbers as JSON
 
 **startup**: `python main.py preset=nanogpt_cpu trainer_config.max_steps=1` (nanoGPT's CPU recipe, one step, a new
 snapshot folder and run directory each time: import, config, data, model, one step, the end-of-run validation,
@@ -35,6 +35,11 @@ per step counts: data, forward, backward, clipping, the optimizer, logging; the 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's root: main.py, mingpt/
+
 import argparse
 import json
 import os
@@ -50,8 +55,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from chaos import children, rank_of, wait_until
-from char_dataset import PROJECT_DIR
+from benchmarks.chaos import children, rank_of, wait_until
+from mingpt import PROJECT_DIR
 
 OURS = ["main.py", "preset=nanogpt_cpu", "trainer_config.max_steps=1"]
 NANOGPT = ["train.py", "config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
@@ -284,7 +289,7 @@ def restart_job(kills: int, overrides: list[str], env: dict[str, str]) -> list[d
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench_launch.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/bench_launch.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=["startup", "restart", "step"], default=None)
     parser.add_argument("--step-rounds", type=int, default=5, help="step rounds (default 5)")
     parser.add_argument("--rounds", type=int, default=5, help="start-up rounds (default 5)")

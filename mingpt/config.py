@@ -18,11 +18,12 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from char_dataset import PROJECT_DIR, DataConfig
-from distributed import global_rank
-from errors import UsageError, first_line
+from char_dataset import DataConfig
+from mingpt import PROJECT_DIR
+from mingpt.distributed.process_group import global_rank
+from mingpt.errors import UsageError, first_line
+from mingpt.optim import OptimizerConfig
 from model import GPTConfig
-from optim import OptimizerConfig
 from trainer import TrainerConfig
 
 CONFIG_NAME = "gpt2_train_cfg"
