@@ -7,7 +7,7 @@ The trainer receives a built model, optimizer and datasets plus a `DistContext` 
                                   unscale (fp16) -> clip -> optimizer step -> LR for the next step
             every log_every_steps: one line + one metrics.jsonl row (rank 0)
             every eval_every_steps and at each epoch end: validation loss over all ranks
-            a snapshot when checkpoint.py's cadence says so; a stop after SIGTERM (stopping.py)
+            a snapshot when the checkpointer's cadence says so; a stop after SIGTERM (mingpt.distributed.stopping)
 
 Nothing here is specific to GPT beyond `model(x, y) -> (logits, loss)`. Nothing here knows Hydra. The trainer's
 own snapshot state is its progress (`state_dict()`); the Checkpointer saves it beside the model, optimizer, scaler

@@ -24,7 +24,8 @@ kill minus the step the next attempt resumed from (what had to be recomputed).
 The reference and the trials run a copy of the code taken at the start (WORKDIR/code), so that edits to the
 working tree while the harness runs cannot make them differ. The job runs
 `torchrun --standalone --nproc_per_node=N --max-restarts=K main.py ...` exactly as documented, without
-TORCH_DISABLE_SHARE_RDZV_TCP_STORE (distributed.py's setup_distributed makes restarts reliable without it).
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE (mingpt.distributed.process_group.setup_distributed makes restarts reliable
+without it).
 Exit status: 0 when every trial resumed and ended identical, 1 otherwise.
 """
 

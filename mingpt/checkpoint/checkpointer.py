@@ -1,4 +1,4 @@
-"""When to snapshot and what goes in: the checkpoint component between the training loop and snapshot.py.
+"""When to snapshot and what goes in: the checkpoint component between the training loop and the store (store.py).
 
     checkpoints = Checkpointer(store, metadata, cfg, ctx, {"model": model, "optimizer": optimizer, ...})
     checkpoints.restore()                                    # every rank, before training
@@ -11,7 +11,7 @@ collective to assemble). Unsharded (ddp): global rank 0 copies the result to CPU
 serialises, checksums, writes one file atomically and prunes. Sharded (fsdp): every rank copies its shards and
 its background writer saves them with the others' (sharded.py). Either kind of snapshot restores into either kind
 of run: a sharded one is loaded into what the stateful objects' `named_state_dict()` holds (their shards or full
-tensors), through DCP. What a snapshot is (bytes, storage, validation, the newest valid one) stays in snapshot.py
+tensors), through DCP. What a snapshot is (bytes, storage, validation, the newest valid one) stays in store.py
 and sharded.py.
 """
 

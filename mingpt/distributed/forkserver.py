@@ -134,7 +134,7 @@ def _start_server(name: bytes, agent: int) -> None:
     worker's interpreter, flags, sys.path and environment; its output is dropped (its errors reach the clients)."""
     import subprocess  # only the first worker of an agent pays for it
 
-    code = (f"import sys; sys.path[:] = {sys.path!r}; import forkserver; "
+    code = (f"import sys; sys.path[:] = {sys.path!r}; from mingpt.distributed import forkserver; "
             f"forkserver.serve({name!r}, {agent})")
     subprocess.Popen([sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -1,6 +1,6 @@
-"""Writes that survive a crash, shared by snapshot.py, sharded.py and token_cache.py: a file or folder is written
-under a hidden temporary name, fsynced, renamed into place, and the rename made durable with an fsync of the folder.
-"""
+"""Writes that survive a crash, shared by the snapshot store, sharded snapshots and the token cache: a file or
+folder is written under a hidden temporary name, fsynced, renamed into place, and the rename made durable with an
+fsync of the folder."""
 
 from __future__ import annotations
 
