@@ -1,5 +1,5 @@
-"""What the tests share besides fixtures (those are in conftest.py): the tiny model's overrides, running the real
-CLI (python main.py / torchrun) as a subprocess, waiting, and the two assertions every CLI test makes."""
+"""What the tests share besides fixtures (those are in conftest.py): the tiny model's overrides, running the real CLI
+(python main.py / torchrun) as a subprocess, waiting, and the two assertions every CLI test makes."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from benchmarks.chaos import TINY_MODEL, wait_until
 from mingpt import PROJECT_DIR
 from mingpt.reporting.logs import read_metrics
 
@@ -37,23 +37,14 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
 
-# A model and a data slice small enough that a run takes seconds on 2 CPU cores.
+# A model and a data slice small enough that a run takes seconds on 2 CPU cores (the chaos harness's, chaos.py), and
+# a short run of it.
 TINY = [
-    "data_config.truncate=0.05",
-    "data_config.block_size=32",
-    "gpt_config.n_layer=2",
-    "gpt_config.n_head=2",
-    "gpt_config.n_embd=32",
-    "gpt_config.dropout=0.1",
-    "optimizer_config.learning_rate=3e-3",
-    "optimizer_config.warmup_steps=5",
-    "optimizer_config.min_lr=3e-4",
-    "trainer_config.batch_size=8",
+    *TINY_MODEL,
     "trainer_config.max_steps=40",
     "trainer_config.log_every_steps=5",
     "trainer_config.eval_every_steps=20",
     "trainer_config.eval_batches=8",
-    "trainer_config.mixed_precision=fp32",
 ]
 
 
@@ -114,19 +105,6 @@ def start_cli(args: list[str], tmp_path: Path, nproc: int, max_restarts: int = 0
     )
 
 
-def child_pids(pid: int) -> list[int]:
-    """Direct children of a process (torchrun's workers), from /proc."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return sorted(children)
-
-
 def fork_servers(agent: int) -> list[int]:
     """The fork servers (forkserver.py, the MINGPT_FORKSERVER=1 opt-in) of a torchrun agent, by command line."""
     found = []
@@ -141,13 +119,12 @@ def fork_servers(agent: int) -> list[int]:
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+    """The predicate's first true value, polled every `interval` s (chaos.wait_until); a TimeoutError after
+    `timeout` s, where the harness would go on."""
+    value = wait_until(predicate, timeout, interval)
+    if not value:
+        raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+    return value
 
 
 def logged_step(run_dir: Path) -> int:

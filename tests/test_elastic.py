@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 from support import (
     TINY,
-    child_pids,
+    children,
     cli,
     free_port,
     logged_step,
@@ -48,7 +48,7 @@ def elastic_agent(tmp_path, name, port, is_host, env, extra_args=(), max_restart
 
 def kill_all(*agents):
     for agent in agents:
-        for pid in [*child_pids(agent.pid), agent.pid]:  # workers run in sessions of their own
+        for pid in [*children(agent.pid), agent.pid]:  # workers run in sessions of their own
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -71,7 +71,7 @@ def test_a_node_leaves_and_rejoins_with_the_exact_sample_position(tmp_path):
         # resumes. It is paused (SIGSTOP) a few steps later, so that the alone phase stays short whatever the speed.
         resumed = lambda: train_log().count("resumed from") == 1  # noqa: E731
         wait_for(lambda: resumed() and len(rows_since_resume(run_dir)) >= 2, 120, what="a resumes and trains alone")
-        (worker,) = child_pids(a.pid)
+        (worker,) = children(a.pid)
         os.kill(worker, signal.SIGSTOP)
         sigterms = (tmp_path / "a.log").read_text().count("closing signal SIGTERM")
         # 2 nodes again: b's agent starts; a's agent sees a waiting node and SIGTERMs its worker, which saves

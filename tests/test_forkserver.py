@@ -18,7 +18,7 @@ import pytest
 from support import (
     PYTHON,
     TINY,
-    child_pids,
+    children,
     cli,
     fork_servers,
     free_port,
@@ -117,7 +117,7 @@ def test_signals_reach_the_child_and_its_end_is_the_workers(agent, tmp_path):
     # SIGTERM to the worker: the child stops after its step with a snapshot and exits 0, as a fresh process does.
     worker, log = agent.start(train_args(tmp_path, "term", 100000), cpus=last)
     wait_for(lambda: logged_step(tmp_path / "term" / "run") >= 10, timeout=120, what="step 10")
-    (child,) = child_pids(agent.server())
+    (child,) = children(agent.server())
     assert os.sched_getaffinity(child) == last
     os.kill(worker, signal.SIGTERM)
     assert agent.wait(worker) == 0, log.read_text()[-3000:]
@@ -127,7 +127,7 @@ def test_signals_reach_the_child_and_its_end_is_the_workers(agent, tmp_path):
     # SIGSTOP cannot be passed on: the child follows its stopped worker, and its SIGCONT.
     worker, log = agent.start(train_args(tmp_path, "stop", 100000), cpus=first)
     wait_for(lambda: logged_step(tmp_path / "stop" / "run") >= 10, timeout=120, what="step 10")
-    (child,) = child_pids(agent.server())
+    (child,) = children(agent.server())
     assert os.sched_getaffinity(child) == first
     os.kill(worker, signal.SIGSTOP)
     wait_for(lambda: forkserver.process_state(child) == "T", timeout=5, what="the child to stop")
@@ -144,7 +144,7 @@ def test_signals_reach_the_child_and_its_end_is_the_workers(agent, tmp_path):
     # A child that dies by a signal: its worker ends by the same signal, for torchrun to see.
     worker, log = agent.start(train_args(tmp_path, "oom", 100000))
     wait_for(lambda: logged_step(tmp_path / "oom" / "run") >= 5, timeout=120, what="step 5")
-    (child,) = child_pids(agent.server())
+    (child,) = children(agent.server())
     os.kill(child, signal.SIGKILL)  # as the OOM killer would
     assert agent.wait(worker) == -signal.SIGKILL
 

@@ -11,7 +11,7 @@ import signal
 
 import pytest
 import torch
-from support import TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
+from support import TINY, assert_ok, children, logged_step, run_cli, start_cli, wait_for
 
 from mingpt import compat
 from mingpt.checkpoint import store as snap
@@ -55,7 +55,7 @@ def test_two_ranks_save_shards_survive_a_kill_and_resume_on_one_and_three(tmp_pa
     # A worker SIGKILLed mid-run; torchrun restarts both, they resume from their shards: the same weights.
     job = start_cli(fsdp_args(tmp_path / "snaps_b", tmp_path / "run_b"), tmp_path, nproc=2, max_restarts=1)
     wait_for(lambda: logged_step(tmp_path / "run_b") >= 25, timeout=120, what="step 25")
-    os.kill(child_pids(job.pid)[-1], signal.SIGKILL)
+    os.kill(children(job.pid)[-1], signal.SIGKILL)
     assert job.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     assert "resumed from" in (tmp_path / "launch.log").read_text()
     assert summary(tmp_path / "run_b")["weights_sha256"] == reference["weights_sha256"]

@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from support import TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
+from support import TINY, assert_ok, children, logged_step, run_cli, start_cli, wait_for
 
 from mingpt.checkpoint import store as snap
 
@@ -70,7 +70,7 @@ def test_workers_of_a_killed_agent_stop_and_a_rerun_ends_as_if_uninterrupted(tmp
     workers: list[int] = []
     try:
         wait_for(lambda: logged_step(run_dir) >= 20, timeout=120, what="step 20")
-        workers = child_pids(job.pid)
+        workers = children(job.pid)
         assert len(workers) == 2
         os.kill(job.pid, signal.SIGKILL)  # the agent only, as the OOM killer would
         job.wait()
@@ -106,7 +106,7 @@ def test_one_rank_failing_ends_every_rank_within_seconds_with_one_report(tmp_pat
         code = job.wait(timeout=60)
         ended_after = time.monotonic() - failed_at
     finally:
-        kill_all([*child_pids(job.pid), job.pid])
+        kill_all([*children(job.pid), job.pid])
     log = log_path.read_text()
     assert code != 0
     assert ended_after < 10, (ended_after, log[-3000:])
@@ -121,7 +121,7 @@ def test_sigterm_with_a_stuck_peer_leaves_within_the_stop_timeout(tmp_path):
     workers: list[int] = []
     try:
         wait_for(lambda: logged_step(run_dir) >= 5, timeout=120, what="step 5")
-        workers = child_pids(job.pid)
+        workers = children(job.pid)
         os.kill(workers[1], signal.SIGSTOP)  # a peer that neither answers nor closes its connections
         time.sleep(1)  # the other rank is now blocked in a collective with it
         os.kill(workers[0], signal.SIGTERM)

@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from support import PROJECT_DIR, TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
+from support import PROJECT_DIR, TINY, assert_ok, children, logged_step, run_cli, start_cli, wait_for
 
 from mingpt.checkpoint import store as snap
 from mingpt.reporting.logs import read_metrics
@@ -57,7 +57,7 @@ def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
     job = start_cli([*resume_args(tmp_path / "snaps_b", tmp_path / "run_b", max_steps=100, precision="auto"), *data],
                     tmp_path, nproc=2, max_restarts=1)
     wait_for(lambda: logged_step(tmp_path / "run_b") >= 35, timeout=120, what="step 35")
-    workers = child_pids(job.pid)
+    workers = children(job.pid)
     assert len(workers) == 2
     os.kill(workers[-1], signal.SIGKILL)  # from outside, like the OOM killer or a lost machine
     assert job.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
@@ -109,7 +109,7 @@ def test_kill_during_a_save_leaves_a_loadable_snapshot(tmp_path):
         temporary = lambda: [n for n in os.listdir(snaps) if ".tmp-" in n] if snaps.exists() else []  # noqa: E731
         wait_for(lambda: logged_step(run_dir) >= 5 * (attempt + 1), timeout=120, what="some steps")
         wait_for(temporary, timeout=60, interval=0.001, what="a save in progress")
-        for pid in child_pids(job.pid):
+        for pid in children(job.pid):
             os.kill(pid, signal.SIGKILL)
         job.wait(timeout=60)
         if temporary():
@@ -172,6 +172,6 @@ def test_sigterm_to_one_worker_stops_all_cleanly(tmp_path):
     snaps, run_dir = tmp_path / "snaps", tmp_path / "run"
     job = start_cli(resume_args(snaps, run_dir, max_steps=100000, every=1000), tmp_path, nproc=2)
     wait_for(lambda: logged_step(run_dir) >= 5, timeout=120, what="step 5")
-    os.kill(child_pids(job.pid)[-1], signal.SIGTERM)
+    os.kill(children(job.pid)[-1], signal.SIGTERM)
     assert job.wait(timeout=60) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     assert snap.SnapshotStore(str(snaps)).entries()

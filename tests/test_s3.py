@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from support import PROJECT_DIR, TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
+from support import PROJECT_DIR, TINY, assert_ok, children, logged_step, run_cli, start_cli, wait_for
 
 from mingpt.checkpoint import store as snap
 
@@ -29,7 +29,7 @@ def test_train_kill_and_resume_on_s3(tmp_path, s3):
     run_dir = tmp_path / "run"
     job = start_cli(args_for("s3://runs/job1/", run_dir, max_steps=120), tmp_path, nproc=2, max_restarts=1)
     wait_for(lambda: logged_step(run_dir) >= 25, timeout=120, what="step 25")
-    os.kill(child_pids(job.pid)[0], signal.SIGKILL)
+    os.kill(children(job.pid)[0], signal.SIGKILL)
     assert job.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     log = (tmp_path / "launch.log").read_text()
     assert "resumed from s3://runs/job1/snapshot-" in log
