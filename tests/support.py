@@ -1,8 +1,10 @@
 """What the tests share besides fixtures (those are in conftest.py): the tiny model's overrides, running the real CLI
-(python main.py / torchrun) as a subprocess, waiting, and the two assertions every CLI test makes."""
+(python main.py / torchrun) as a subprocess, waiting, reading a run's summary.json, and the two assertions every CLI
+test makes."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -12,7 +14,7 @@ from pathlib import Path
 
 from benchmarks.chaos import TINY_MODEL, wait_until
 from mingpt import PROJECT_DIR
-from mingpt.reporting.logs import read_metrics
+from mingpt.reporting.logs import SUMMARY_FILE, read_metrics
 
 PYTHON = sys.executable
 # What may sit at the project's root besides dotfiles: the design card's files, the commands a user runs, their
@@ -130,6 +132,16 @@ def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "con
 def logged_step(run_dir: Path) -> int:
     """Highest training step in metrics.jsonl so far (0 if none)."""
     return max((row["step"] for row in read_metrics(run_dir) if "train_loss" in row), default=0)
+
+
+def read_summary(run_dir: Path) -> dict:
+    """A run's summary.json (written by rank 0 at the end: steps, world_size, weights_sha256, ...)."""
+    return json.loads((run_dir / SUMMARY_FILE).read_text())
+
+
+def weights_digest(run_dir: Path) -> str:
+    """The sha256 of the weights a run ended with, from its summary.json."""
+    return read_summary(run_dir)["weights_sha256"]
 
 
 def free_port() -> int:

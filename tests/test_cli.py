@@ -1,11 +1,10 @@
 """End to end: the real CLI as a subprocess, under torchrun (2 processes, gloo) and without it."""
 
-import json
 import subprocess
 from pathlib import Path
 
 import pytest
-from support import TINY, assert_ok, cli, own_snapshots, run_cli, standalone, subprocess_env
+from support import TINY, assert_ok, cli, own_snapshots, read_summary, run_cli, standalone, subprocess_env
 
 from mingpt.reporting.logs import read_metrics
 
@@ -17,7 +16,7 @@ def assert_trained(run_dir: Path, world_size: int) -> list[dict]:
     assert losses[-1] < losses[0] - 0.5, f"training loss did not fall: {losses}"
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(val) == 2 and val[-1] < val[0]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert summary["world_size"] == world_size and summary["steps"] == 40
     assert len(summary["rank_weights_sha256"]) == world_size
     assert len(set(summary["rank_weights_sha256"])) == 1 and summary["replicas_identical"]

@@ -5,7 +5,6 @@ and the global sample position is exact through 2 -> 1 -> 2. Then the one-line s
 the variable, ranks that cannot meet, and a node handed its own agent's stale store (torch 2.13's bug)."""
 
 import datetime
-import json
 import os
 import re
 import signal
@@ -13,15 +12,7 @@ import subprocess
 
 import pytest
 import torch.distributed as dist
-from support import (
-    TINY,
-    children,
-    cli,
-    free_port,
-    logged_step,
-    subprocess_env,
-    wait_for,
-)
+from support import TINY, children, cli, free_port, logged_step, read_summary, subprocess_env, wait_for
 
 from mingpt.checkpoint import store as snapshot_format
 from mingpt.reporting.logs import read_metrics
@@ -99,7 +90,7 @@ def test_a_node_leaves_and_rejoins_with_the_exact_sample_position(tmp_path):
     last = snapshot_format.from_bytes((snaps / snapshot_format.snapshot_name(MAX_STEPS)).read_bytes(), "last")
     assert last["progress"]["step"] == MAX_STEPS and last["world_size"] == 2
     assert last["progress"]["epoch_samples"] == n2 + 2 * BATCH * (MAX_STEPS - s2)  # steps s2+1..MAX_STEPS, 2 nodes
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert summary["steps"] == MAX_STEPS and summary["world_size"] == 2 and summary["replicas_identical"]
     steps = {row["step"] for row in read_metrics(run_dir)}
     assert set(range(1, MAX_STEPS + 1)) <= steps

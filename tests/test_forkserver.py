@@ -23,6 +23,7 @@ from support import (
     fork_servers,
     free_port,
     logged_step,
+    read_summary,
     run_cli,
     subprocess_env,
     wait_for,
@@ -89,7 +90,7 @@ def train_args(folder: Path, name: str, steps: int) -> list[str]:
 
 
 def summary(folder: Path, name: str) -> dict:
-    return json.loads((folder / name / "run" / "summary.json").read_text())
+    return read_summary(folder / name / "run")
 
 
 def test_a_served_worker_trains_and_reports_as_a_fresh_process(agent, tmp_path):

@@ -2,13 +2,12 @@
 (its workers must not train on as orphans), one rank that fails (the others end within seconds, the error is
 printed once), and SIGTERM while a peer is stuck (the rank leaves within trainer_config.stop_timeout_s)."""
 
-import json
 import os
 import signal
 import time
 from pathlib import Path
 
-from support import TINY, assert_ok, children, logged_step, run_cli, start_cli, wait_for
+from support import TINY, assert_ok, children, logged_step, read_summary, run_cli, start_cli, wait_for, weights_digest
 
 from mingpt.checkpoint import store as snap
 
@@ -34,10 +33,6 @@ def kill_all(pids: list[int]) -> None:
             pass
 
 
-def weights(run_dir: Path) -> str:
-    return json.loads((run_dir / "summary.json").read_text())["weights_sha256"]
-
-
 def test_rerun_of_a_finished_job_says_so_and_exits_0(tmp_path):
     snaps = tmp_path / "snaps"
     first = run_cli(job_args(snaps, tmp_path / "run1", max_steps=20), tmp_path)
@@ -50,7 +45,7 @@ def test_rerun_of_a_finished_job_says_so_and_exits_0(tmp_path):
     assert "raise trainer_config.max_steps or trainer_config.max_epochs" in again.stdout
     assert "Traceback" not in again.stderr and "training: steps" not in again.stdout
     assert not (tmp_path / "run2" / "loss.png").exists()  # no plot or sample of a run that trained nothing
-    assert json.loads((tmp_path / "run2" / "summary.json").read_text())["steps"] == 20
+    assert read_summary(tmp_path / "run2")["steps"] == 20
     assert [e.step for e in snap.SnapshotStore(str(snaps)).entries()] == [20, 10]  # nothing written
 
     # The same error on every rank (a snapshot of another shape) is printed once, not once per rank.
@@ -91,7 +86,7 @@ def test_workers_of_a_killed_agent_stop_and_a_rerun_ends_as_if_uninterrupted(tmp
     rerun = run_cli(job_args(snaps, run_dir, steps), tmp_path, nproc=2)  # the user runs the command again
     assert_ok(rerun)
     assert "resumed from" in rerun.stdout
-    assert weights(run_dir) == weights(tmp_path / "run_a")
+    assert weights_digest(run_dir) == weights_digest(tmp_path / "run_a")
 
 
 def test_one_rank_failing_ends_every_rank_within_seconds_with_one_report(tmp_path):

@@ -1,13 +1,23 @@
 """Fault tolerance with real processes: SIGKILL + torchrun restart, world-size change, a kill during a save,
 damaged and foreign snapshots, SIGTERM."""
 
-import json
 import os
 import signal
 from pathlib import Path
 
 import pytest
-from support import PROJECT_DIR, TINY, assert_ok, children, logged_step, run_cli, start_cli, wait_for
+from support import (
+    PROJECT_DIR,
+    TINY,
+    assert_ok,
+    children,
+    logged_step,
+    read_summary,
+    run_cli,
+    start_cli,
+    wait_for,
+    weights_digest,
+)
 
 from mingpt.checkpoint import store as snap
 from mingpt.reporting.logs import read_metrics
@@ -65,9 +75,7 @@ def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
     assert "resumed from" in log, log[-3000:]
     assert "data: encoding" not in log and log.count("of 4 files of") == 2  # the cache, found at each start
 
-    summary_a = json.loads((tmp_path / "run_a" / "summary.json").read_text())
-    summary_b = json.loads((tmp_path / "run_b" / "summary.json").read_text())
-    assert summary_b["weights_sha256"] == summary_a["weights_sha256"]
+    assert weights_digest(tmp_path / "run_b") == weights_digest(tmp_path / "run_a")
     rows_a, rows_b = read_metrics(tmp_path / "run_a"), read_metrics(tmp_path / "run_b")
     assert len([r for r in rows_b if "train_loss" in r]) > len([r for r in rows_a if "train_loss" in r])  # re-run steps
     for key in ("train_loss", "val_loss", "lr"):
@@ -165,7 +173,7 @@ def test_sigterm_saves_and_the_same_command_continues(tmp_path):
     again = run_cli([*args, f"trainer_config.max_steps={stopped_at + 5}"], tmp_path, nproc=2)
     assert_ok(again)
     assert f"resumed from {snaps}/{snap.snapshot_name(stopped_at)}" in again.stdout
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == stopped_at + 5
+    assert read_summary(run_dir)["steps"] == stopped_at + 5
 
 
 def test_sigterm_to_one_worker_stops_all_cleanly(tmp_path):

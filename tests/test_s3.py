@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from support import PROJECT_DIR, TINY, assert_ok, children, logged_step, run_cli, start_cli, wait_for
+from support import PROJECT_DIR, TINY, assert_ok, children, logged_step, read_summary, run_cli, start_cli, wait_for
 
 from mingpt.checkpoint import store as snap
 
@@ -37,7 +37,7 @@ def test_train_kill_and_resume_on_s3(tmp_path, s3):
     assert keys(s3, "runs", "job1/") == ["job1/snapshot-000000110.pt", "job1/snapshot-000000120.pt"]
     body = s3.get_object(Bucket="runs", Key="job1/snapshot-000000120.pt")["Body"].read()
     newest = snap.from_bytes(body, "s3 object")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert newest["progress"]["step"] == 120 and newest["weights_sha256"] == summary["weights_sha256"]
 
 

@@ -1,10 +1,10 @@
 """The trainer in one process (no process group): steps, accumulation, evaluation, precision, sampling."""
 
 import dataclasses
-import json
 
 import pytest
 import torch
+from support import read_summary
 
 import main
 from char_dataset import CharCorpus, DataConfig
@@ -51,7 +51,7 @@ def test_fit_writes_metrics_and_loss_falls(tmp_path):
     assert [r["step"] for r in val_rows] == [10, 20, 30]
     assert train_rows[-1]["train_loss"] < train_rows[0]["train_loss"] - 0.5
     assert all(r["tokens_per_s"] > 0 and "lr" in r and "epoch" in r for r in train_rows)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = read_summary(tmp_path)
     assert summary["steps"] == 30 and summary["replicas_identical"]
 
 
