@@ -1,6 +1,6 @@
-"""What the tests share besides fixtures (those are in conftest.py): the tiny model's overrides, running the real CLI
-(python main.py / torchrun) as a subprocess, waiting, reading a run's summary.json, and the two assertions every CLI
-test makes."""
+"""What the tests share besides fixtures (those are in conftest.py): the tiny model's overrides, a tiny trainer built in
+this process the way a run builds it, running the real CLI (python main.py / torchrun) as a subprocess, waiting,
+reading a run's summary.json, and the two assertions every CLI test makes."""
 
 from __future__ import annotations
 
@@ -48,6 +48,35 @@ TINY = [
     "trainer_config.eval_every_steps=20",
     "trainer_config.eval_batches=8",
 ]
+
+
+def corpus_text(lines: int) -> str:
+    """`lines` short lines of text: the corpus of a trainer built in the test's own process."""
+    return "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(lines))
+
+
+def make_trainer(run_dir: Path | None = None, *, snapshots: Path | str | None = None, strategy: str = "ddp",
+                 dropout: float = 0.0, n_layer: int = 1, lines: int = 400, **trainer_kwargs):
+    """A Trainer in this process (no torchrun), built by main.build_trainer as a training run builds it: a GPT of
+    `n_layer` blocks of width 16 over `lines` lines of corpus_text (block_size 16), AdamW at 1e-2 without warm-up,
+    fp32 and a log line every 5 steps unless `trainer_kwargs` (TrainerConfig's fields) say otherwise; its
+    snapshots in `snapshots` (a folder or URL; None: none), its metrics in `run_dir` (None: none)."""
+    import main  # torch and the model: paid for by the tests that build a trainer only
+    from char_dataset import CharCorpus, DataConfig
+    from mingpt.config import TrainConfig
+    from mingpt.distributed.process_group import DistContext
+    from mingpt.optim import OptimizerConfig
+    from model import GPTConfig
+    from trainer import TrainerConfig
+
+    data = DataConfig(block_size=16)
+    settings = {"mixed_precision": "fp32", "log_every_steps": 5, "strategy": strategy, **trainer_kwargs}
+    if snapshots is not None:
+        settings["snapshot_path"] = str(snapshots)
+    cfg = TrainConfig(data, GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, dropout=dropout),
+                      OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3), TrainerConfig(**settings))
+    corpus = CharCorpus.from_text(corpus_text(lines), data)
+    return main.build_trainer(cfg, corpus, DistContext(), run_dir, with_snapshots=snapshots is not None)
 
 
 def subprocess_env(tmp_path: Path) -> dict[str, str]:
