@@ -1,18 +1,20 @@
 """What the tests share besides fixtures (those are in conftest.py): the tiny model's overrides, a tiny trainer built in
-this process the way a run builds it, running the real CLI (python main.py / torchrun) as a subprocess, waiting,
-reading a run's summary.json, and the two assertions every CLI test makes."""
+this process the way a run builds it, running the real CLI (python main.py / torchrun) as a subprocess, killing a
+worker and checking that the job resumes to the weights of a run that was not interrupted, waiting, reading a run's
+summary.json, and the two assertions every CLI test makes."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.chaos import TINY_MODEL, wait_until
+from benchmarks.chaos import TINY_MODEL, children, wait_until
 from mingpt import PROJECT_DIR
 from mingpt.reporting.logs import SUMMARY_FILE, read_metrics
 
@@ -161,6 +163,49 @@ def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "con
 def logged_step(run_dir: Path) -> int:
     """Highest training step in metrics.jsonl so far (0 if none)."""
     return max((row["step"] for row in read_metrics(run_dir) if "train_loss" in row), default=0)
+
+
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL each of these processes that is still there (torchrun's workers run in sessions of their own)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def kill_at_step(job: subprocess.Popen, run_dir: Path, at_step: int, victim: int | str = -1,
+                nproc: int = 2) -> list[int]:
+    """Once run_dir's metrics reach `at_step`, SIGKILL one process of a torchrun job (`nproc` workers) from outside,
+    as the OOM killer or a lost machine would: the `victim`-th worker by process id, or the agent (victim="agent").
+    Returns the workers as they were."""
+    wait_for(lambda: logged_step(run_dir) >= at_step, timeout=120, what=f"step {at_step}")
+    workers = children(job.pid)
+    assert len(workers) == nproc, workers
+    os.kill(job.pid if victim == "agent" else workers[victim], signal.SIGKILL)
+    return workers
+
+
+def kill_and_resume(args: list[str], tmp_path: Path, run_dir: Path, at_step: int, victim: int = -1,
+                    reference: Path | None = None) -> str:
+    """`torchrun --standalone --nproc_per_node=2 --max-restarts=1 main.py ARGS` (its run directory `run_dir`) with a
+    worker SIGKILLed at `at_step` (kill_at_step): torchrun restarts both, they resume from the newest snapshot and
+    finish, exit code 0; with the weights of the `reference` run (one that was not interrupted) if one is given.
+    Returns the job's output."""
+    job = start_cli(args, tmp_path, nproc=2, max_restarts=1)
+    try:
+        kill_at_step(job, run_dir, at_step, victim)
+        code = job.wait(timeout=240)
+    finally:
+        if job.poll() is None:  # something failed on the way: no job left behind
+            kill_all([*children(job.pid), job.pid])
+            job.wait()
+    log = (tmp_path / "launch.log").read_text()
+    assert code == 0, log[-3000:]
+    assert "resumed from" in log, log[-3000:]
+    if reference is not None:
+        assert weights_digest(run_dir) == weights_digest(reference)
+    return log
 
 
 def read_summary(run_dir: Path) -> dict:

@@ -6,11 +6,10 @@ fsdp's validation loss comes to ddp's is measured in the README's benchmark, on 
 import os
 import re
 import shutil
-import signal
 
 import pytest
 import torch
-from support import TINY, assert_ok, children, logged_step, read_summary, run_cli, start_cli, wait_for
+from support import TINY, assert_ok, kill_and_resume, read_summary, run_cli
 
 from mingpt import compat
 from mingpt.checkpoint import store as snap
@@ -48,12 +47,8 @@ def test_two_ranks_save_shards_survive_a_kill_and_resume_on_one_and_three(tmp_pa
     assert newest["weights_sha256"] == reference["weights_sha256"] and newest["world_size"] == 2
 
     # A worker SIGKILLed mid-run; torchrun restarts both, they resume from their shards: the same weights.
-    job = start_cli(fsdp_args(tmp_path / "snaps_b", tmp_path / "run_b"), tmp_path, nproc=2, max_restarts=1)
-    wait_for(lambda: logged_step(tmp_path / "run_b") >= 25, timeout=120, what="step 25")
-    os.kill(children(job.pid)[-1], signal.SIGKILL)
-    assert job.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
-    assert "resumed from" in (tmp_path / "launch.log").read_text()
-    assert read_summary(tmp_path / "run_b")["weights_sha256"] == reference["weights_sha256"]
+    kill_and_resume(fsdp_args(tmp_path / "snaps_b", tmp_path / "run_b"), tmp_path, tmp_path / "run_b", at_step=25,
+                    reference=tmp_path / "run_a")
 
     # The 2 ranks' step-20 snapshot, resumed by 1 process (no torchrun: a group of one) and by 3.
     for nproc in (None, 3):

@@ -7,7 +7,19 @@ import signal
 import time
 from pathlib import Path
 
-from support import TINY, assert_ok, children, logged_step, read_summary, run_cli, start_cli, wait_for, weights_digest
+from support import (
+    TINY,
+    assert_ok,
+    children,
+    kill_all,
+    kill_at_step,
+    logged_step,
+    read_summary,
+    run_cli,
+    start_cli,
+    wait_for,
+    weights_digest,
+)
 
 from mingpt.checkpoint import store as snap
 
@@ -23,14 +35,6 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
-
-
-def kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def test_rerun_of_a_finished_job_says_so_and_exits_0(tmp_path):
@@ -64,10 +68,7 @@ def test_workers_of_a_killed_agent_stop_and_a_rerun_ends_as_if_uninterrupted(tmp
     job = start_cli(job_args(snaps, run_dir, steps), tmp_path, nproc=2)
     workers: list[int] = []
     try:
-        wait_for(lambda: logged_step(run_dir) >= 20, timeout=120, what="step 20")
-        workers = children(job.pid)
-        assert len(workers) == 2
-        os.kill(job.pid, signal.SIGKILL)  # the agent only, as the OOM killer would
+        workers = kill_at_step(job, run_dir, at_step=20, victim="agent")  # the agent only, as the OOM killer would
         job.wait()
         killed_at = time.monotonic()
         wait_for(lambda: not any(alive(w) for w in workers), timeout=15, what="the orphaned workers to exit")

@@ -11,12 +11,12 @@ from support import (
     TINY,
     assert_ok,
     children,
+    kill_and_resume,
     logged_step,
     read_summary,
     run_cli,
     start_cli,
     wait_for,
-    weights_digest,
 )
 
 from mingpt.checkpoint import store as snap
@@ -64,18 +64,10 @@ def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
     assert "data: encoding" in straight.stdout and "of 4 files of" in straight.stdout
     assert (", bfloat16, " in straight.stdout) == cpu_has_native_bf16()
 
-    job = start_cli([*resume_args(tmp_path / "snaps_b", tmp_path / "run_b", max_steps=100, precision="auto"), *data],
-                    tmp_path, nproc=2, max_restarts=1)
-    wait_for(lambda: logged_step(tmp_path / "run_b") >= 35, timeout=120, what="step 35")
-    workers = children(job.pid)
-    assert len(workers) == 2
-    os.kill(workers[-1], signal.SIGKILL)  # from outside, like the OOM killer or a lost machine
-    assert job.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
-    log = (tmp_path / "launch.log").read_text()
-    assert "resumed from" in log, log[-3000:]
+    # A worker SIGKILLed at step 35; torchrun restarts both, they resume: the weights of the run above.
+    log = kill_and_resume([*resume_args(tmp_path / "snaps_b", tmp_path / "run_b", max_steps=100, precision="auto"),
+                           *data], tmp_path, tmp_path / "run_b", at_step=35, reference=tmp_path / "run_a")
     assert "data: encoding" not in log and log.count("of 4 files of") == 2  # the cache, found at each start
-
-    assert weights_digest(tmp_path / "run_b") == weights_digest(tmp_path / "run_a")
     rows_a, rows_b = read_metrics(tmp_path / "run_a"), read_metrics(tmp_path / "run_b")
     assert len([r for r in rows_b if "train_loss" in r]) > len([r for r in rows_a if "train_loss" in r])  # re-run steps
     for key in ("train_loss", "val_loss", "lr"):

@@ -2,14 +2,12 @@
 over HTTP by s3fs in the training processes, and checked with a separate client (boto3)."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from support import PROJECT_DIR, TINY, assert_ok, children, logged_step, read_summary, run_cli, start_cli, wait_for
+from support import PROJECT_DIR, TINY, assert_ok, kill_and_resume, read_summary, run_cli
 
 from mingpt.checkpoint import store as snap
 
@@ -27,11 +25,7 @@ def keys(s3, bucket: str, prefix: str) -> list[str]:
 def test_train_kill_and_resume_on_s3(tmp_path, s3):
     s3.create_bucket(Bucket="runs")
     run_dir = tmp_path / "run"
-    job = start_cli(args_for("s3://runs/job1/", run_dir, max_steps=120), tmp_path, nproc=2, max_restarts=1)
-    wait_for(lambda: logged_step(run_dir) >= 25, timeout=120, what="step 25")
-    os.kill(children(job.pid)[0], signal.SIGKILL)
-    assert job.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
-    log = (tmp_path / "launch.log").read_text()
+    log = kill_and_resume(args_for("s3://runs/job1/", run_dir, max_steps=120), tmp_path, run_dir, at_step=25, victim=0)
     assert "resumed from s3://runs/job1/snapshot-" in log
 
     assert keys(s3, "runs", "job1/") == ["job1/snapshot-000000110.pt", "job1/snapshot-000000120.pt"]
