@@ -1,7 +1,7 @@
 """What the tests share besides fixtures (those are in conftest.py): the tiny model's overrides, a tiny trainer built in
 this process the way a run builds it, running the real CLI (python main.py / torchrun) as a subprocess, killing a
-worker and checking that the job resumes to the weights of a run that was not interrupted, waiting, reading a run's
-summary.json, and the two assertions every CLI test makes."""
+worker and checking that the job resumes to the weights of a run that was not interrupted, integration cases as rows
+of a table, waiting, reading a run's summary.json, and the two assertions every CLI test makes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import signal
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from benchmarks.chaos import TINY_MODEL, children, wait_until
 from mingpt import PROJECT_DIR
@@ -206,6 +209,31 @@ def kill_and_resume(args: list[str], tmp_path: Path, run_dir: Path, at_step: int
     if reference is not None:
         assert weights_digest(run_dir) == weights_digest(reference)
     return log
+
+
+@dataclass(frozen=True)
+class CliCase:
+    """An integration case as a row of a table (after torchtitan's OverrideDefinitions): the command-line `args`
+    (`{d}` stands for the case's own folder) and the `files` written there first; what must come out: the exit
+    code, the texts its output (or its one error line) contains, and whether it may make a run directory."""
+
+    id: str
+    args: tuple[str, ...]
+    expect: tuple[str, ...] = ()
+    exit_code: int = 0
+    files: tuple[tuple[str, bytes], ...] = ()  # (name, content)
+    no_run_dir: bool = False  # it ends before Hydra makes a run directory
+    marks: tuple = ()
+
+    def arguments(self, folder: Path) -> list[str]:
+        for name, content in self.files:
+            (folder / name).write_bytes(content)
+        return [arg.format(d=folder) for arg in self.args]
+
+
+def table(*cases: CliCase) -> list:
+    """The cases as pytest parameters, each named by its id: `@pytest.mark.parametrize("case", table(...))`."""
+    return [pytest.param(case, id=case.id, marks=case.marks) for case in cases]
 
 
 def read_summary(run_dir: Path) -> dict:
