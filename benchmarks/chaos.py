@@ -52,19 +52,16 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from mingpt import PROJECT_DIR
-from mingpt.checkpoint.store import snapshot_step
 from mingpt.reporting.logs import read_metrics
 
 MOMENTS = ("startup", "step", "eval", "save")
 RESTARTS = ("torchrun", "rerun")
 
-# A tiny model, one metrics row per step, an evaluation every EVAL_EVERY steps (a larger validation split so
-# that it lasts long enough to be hit), a snapshot every SAVE_EVERY steps, fp32 (bit-exact resume on CPU).
-EVAL_EVERY, SAVE_EVERY = 10, 3
-JOB = [
+# A model and a data slice small enough that a run takes seconds on 2 CPU cores, in fp32 (bit-exact resume on a
+# CPU); the tests' TINY (tests/support.py) is this and a short run of it.
+TINY_MODEL = [
     "data_config.truncate=0.05",
     "data_config.block_size=32",
-    "data_config.train_split=0.6",
     "gpt_config.n_layer=2",
     "gpt_config.n_head=2",
     "gpt_config.n_embd=32",
@@ -73,11 +70,18 @@ JOB = [
     "optimizer_config.warmup_steps=5",
     "optimizer_config.min_lr=3e-4",
     "trainer_config.batch_size=8",
+    "trainer_config.mixed_precision=fp32",
+]
+# The tiny model, one metrics row per step, an evaluation every EVAL_EVERY steps (a larger validation split so
+# that it lasts long enough to be hit), a snapshot every SAVE_EVERY steps.
+EVAL_EVERY, SAVE_EVERY = 10, 3
+JOB = [
+    *TINY_MODEL,
+    "data_config.train_split=0.6",
     "trainer_config.log_every_steps=1",
     f"trainer_config.eval_every_steps={EVAL_EVERY}",
     f"trainer_config.save_every_steps={SAVE_EVERY}",
     "trainer_config.keep_last=2",
-    "trainer_config.mixed_precision=fp32",
     "trainer_config.progress=lines",
 ]
 RESUMED = re.compile(r"resumed from \S+: step (\d+)")
@@ -93,6 +97,9 @@ def _temporary_files(snaps: Path) -> set[str]:
 
 
 def _snapshot_steps(snaps: Path) -> list[int]:
+    # Imported here: tests/support.py imports this module, and it then needs no torch.
+    from mingpt.checkpoint.store import snapshot_step
+
     try:
         names = os.listdir(snaps)
     except FileNotFoundError:

@@ -1,18 +1,25 @@
-"""What the tests share besides fixtures (those are in conftest.py): the tiny model's overrides, running the real
-CLI (python main.py / torchrun) as a subprocess, waiting, and the two assertions every CLI test makes."""
+"""What the tests share besides fixtures (those are in conftest.py): the tiny model's overrides, a tiny trainer built in
+this process the way a run builds it, running the real CLI (python main.py / torchrun) as a subprocess, killing a
+worker and checking that the job resumes to the weights of a run that was not interrupted, integration cases as rows
+of a table, waiting, reading a run's summary.json, and the two assertions every CLI test makes."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from benchmarks.chaos import TINY_MODEL, children, wait_until
 from mingpt import PROJECT_DIR
-from mingpt.reporting.logs import read_metrics
+from mingpt.reporting.logs import SUMMARY_FILE, read_metrics
 
 PYTHON = sys.executable
 # What may sit at the project's root besides dotfiles: the design card's files, the commands a user runs, their
@@ -37,24 +44,44 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
 
-# A model and a data slice small enough that a run takes seconds on 2 CPU cores.
+# A model and a data slice small enough that a run takes seconds on 2 CPU cores (the chaos harness's, chaos.py), and
+# a short run of it.
 TINY = [
-    "data_config.truncate=0.05",
-    "data_config.block_size=32",
-    "gpt_config.n_layer=2",
-    "gpt_config.n_head=2",
-    "gpt_config.n_embd=32",
-    "gpt_config.dropout=0.1",
-    "optimizer_config.learning_rate=3e-3",
-    "optimizer_config.warmup_steps=5",
-    "optimizer_config.min_lr=3e-4",
-    "trainer_config.batch_size=8",
+    *TINY_MODEL,
     "trainer_config.max_steps=40",
     "trainer_config.log_every_steps=5",
     "trainer_config.eval_every_steps=20",
     "trainer_config.eval_batches=8",
-    "trainer_config.mixed_precision=fp32",
 ]
+
+
+def corpus_text(lines: int) -> str:
+    """`lines` short lines of text: the corpus of a trainer built in the test's own process."""
+    return "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(lines))
+
+
+def make_trainer(run_dir: Path | None = None, *, snapshots: Path | str | None = None, strategy: str = "ddp",
+                 dropout: float = 0.0, n_layer: int = 1, lines: int = 400, **trainer_kwargs):
+    """A Trainer in this process (no torchrun), built by main.build_trainer as a training run builds it: a GPT of
+    `n_layer` blocks of width 16 over `lines` lines of corpus_text (block_size 16), AdamW at 1e-2 without warm-up,
+    fp32 and a log line every 5 steps unless `trainer_kwargs` (TrainerConfig's fields) say otherwise; its
+    snapshots in `snapshots` (a folder or URL; None: none), its metrics in `run_dir` (None: none)."""
+    import main  # torch and the model: paid for by the tests that build a trainer only
+    from char_dataset import CharCorpus, DataConfig
+    from mingpt.config import TrainConfig
+    from mingpt.distributed.process_group import DistContext
+    from mingpt.optim import OptimizerConfig
+    from model import GPTConfig
+    from trainer import TrainerConfig
+
+    data = DataConfig(block_size=16)
+    settings = {"mixed_precision": "fp32", "log_every_steps": 5, "strategy": strategy, **trainer_kwargs}
+    if snapshots is not None:
+        settings["snapshot_path"] = str(snapshots)
+    cfg = TrainConfig(data, GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, dropout=dropout),
+                      OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3), TrainerConfig(**settings))
+    corpus = CharCorpus.from_text(corpus_text(lines), data)
+    return main.build_trainer(cfg, corpus, DistContext(), run_dir, with_snapshots=snapshots is not None)
 
 
 def subprocess_env(tmp_path: Path) -> dict[str, str]:
@@ -114,19 +141,6 @@ def start_cli(args: list[str], tmp_path: Path, nproc: int, max_restarts: int = 0
     )
 
 
-def child_pids(pid: int) -> list[int]:
-    """Direct children of a process (torchrun's workers), from /proc."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return sorted(children)
-
-
 def fork_servers(agent: int) -> list[int]:
     """The fork servers (forkserver.py, the MINGPT_FORKSERVER=1 opt-in) of a torchrun agent, by command line."""
     found = []
@@ -141,18 +155,95 @@ def fork_servers(agent: int) -> list[int]:
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+    """The predicate's first true value, polled every `interval` s (chaos.wait_until); a TimeoutError after
+    `timeout` s, where the harness would go on."""
+    value = wait_until(predicate, timeout, interval)
+    if not value:
+        raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+    return value
 
 
 def logged_step(run_dir: Path) -> int:
     """Highest training step in metrics.jsonl so far (0 if none)."""
     return max((row["step"] for row in read_metrics(run_dir) if "train_loss" in row), default=0)
+
+
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL each of these processes that is still there (torchrun's workers run in sessions of their own)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def kill_at_step(job: subprocess.Popen, run_dir: Path, at_step: int, victim: int | str = -1,
+                nproc: int = 2) -> list[int]:
+    """Once run_dir's metrics reach `at_step`, SIGKILL one process of a torchrun job (`nproc` workers) from outside,
+    as the OOM killer or a lost machine would: the `victim`-th worker by process id, or the agent (victim="agent").
+    Returns the workers as they were."""
+    wait_for(lambda: logged_step(run_dir) >= at_step, timeout=120, what=f"step {at_step}")
+    workers = children(job.pid)
+    assert len(workers) == nproc, workers
+    os.kill(job.pid if victim == "agent" else workers[victim], signal.SIGKILL)
+    return workers
+
+
+def kill_and_resume(args: list[str], tmp_path: Path, run_dir: Path, at_step: int, victim: int = -1,
+                    reference: Path | None = None) -> str:
+    """`torchrun --standalone --nproc_per_node=2 --max-restarts=1 main.py ARGS` (its run directory `run_dir`) with a
+    worker SIGKILLed at `at_step` (kill_at_step): torchrun restarts both, they resume from the newest snapshot and
+    finish, exit code 0; with the weights of the `reference` run (one that was not interrupted) if one is given.
+    Returns the job's output."""
+    job = start_cli(args, tmp_path, nproc=2, max_restarts=1)
+    try:
+        kill_at_step(job, run_dir, at_step, victim)
+        code = job.wait(timeout=240)
+    finally:
+        if job.poll() is None:  # something failed on the way: no job left behind
+            kill_all([*children(job.pid), job.pid])
+            job.wait()
+    log = (tmp_path / "launch.log").read_text()
+    assert code == 0, log[-3000:]
+    assert "resumed from" in log, log[-3000:]
+    if reference is not None:
+        assert weights_digest(run_dir) == weights_digest(reference)
+    return log
+
+
+@dataclass(frozen=True)
+class CliCase:
+    """An integration case as a row of a table (after torchtitan's OverrideDefinitions): the command-line `args`
+    (`{d}` stands for the case's own folder) and the `files` written there first; what must come out: the exit
+    code, the texts its output (or its one error line) contains, and whether it may make a run directory."""
+
+    id: str
+    args: tuple[str, ...]
+    expect: tuple[str, ...] = ()
+    exit_code: int = 0
+    files: tuple[tuple[str, bytes], ...] = ()  # (name, content)
+    no_run_dir: bool = False  # it ends before Hydra makes a run directory
+    marks: tuple = ()
+
+    def arguments(self, folder: Path) -> list[str]:
+        for name, content in self.files:
+            (folder / name).write_bytes(content)
+        return [arg.format(d=folder) for arg in self.args]
+
+
+def table(*cases: CliCase) -> list:
+    """The cases as pytest parameters, each named by its id: `@pytest.mark.parametrize("case", table(...))`."""
+    return [pytest.param(case, id=case.id, marks=case.marks) for case in cases]
+
+
+def read_summary(run_dir: Path) -> dict:
+    """A run's summary.json (written by rank 0 at the end: steps, world_size, weights_sha256, ...)."""
+    return json.loads((run_dir / SUMMARY_FILE).read_text())
+
+
+def weights_digest(run_dir: Path) -> str:
+    """The sha256 of the weights a run ended with, from its summary.json."""
+    return read_summary(run_dir)["weights_sha256"]
 
 
 def free_port() -> int:

@@ -1,11 +1,21 @@
 """End to end: the real CLI as a subprocess, under torchrun (2 processes, gloo) and without it."""
 
-import json
 import subprocess
 from pathlib import Path
 
 import pytest
-from support import TINY, assert_ok, cli, own_snapshots, run_cli, standalone, subprocess_env
+from support import (
+    TINY,
+    CliCase,
+    assert_ok,
+    cli,
+    own_snapshots,
+    read_summary,
+    run_cli,
+    standalone,
+    subprocess_env,
+    table,
+)
 
 from mingpt.reporting.logs import read_metrics
 
@@ -17,7 +27,7 @@ def assert_trained(run_dir: Path, world_size: int) -> list[dict]:
     assert losses[-1] < losses[0] - 0.5, f"training loss did not fall: {losses}"
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(val) == 2 and val[-1] < val[0]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert summary["world_size"] == world_size and summary["steps"] == 40
     assert len(summary["rank_weights_sha256"]) == world_size
     assert len(set(summary["rank_weights_sha256"])) == 1 and summary["replicas_identical"]
@@ -70,58 +80,46 @@ def test_single_process_without_torchrun(tmp_path, run_dir):
     assert all(f"- {arg}" in saved for arg in TINY) and "hydra.mode" not in saved, saved
 
 
-@pytest.mark.oldest_torch
-def test_misspelled_override_is_one_line(tmp_path):
-    result = run_cli(["trainer_config.max_epoch=3"], tmp_path)
-    assert result.returncode != 0
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert "max_epoch" in lines[0] and "TrainerConfig" in lines[0]
-    assert not (tmp_path / "outputs").exists()  # failed before Hydra made a run directory
-
-
-def _write(tmp_path: Path, name: str, content: bytes) -> str:
-    path = tmp_path / name
-    path.write_bytes(content)
-    return str(path)
-
-
-BAD_INPUTS = {
-    "missing data file": (lambda d: ["data_config.path=/no/such/file.txt"], "data file not found"),
-    "empty data file": (lambda d: [f"data_config.path={_write(d, 'e.txt', b'')}"], "is empty"),
-    "text shorter than block_size + 1": (
-        lambda d: [f"data_config.path={_write(d, 's.txt', b'too short')}", "data_config.block_size=64"],
-        "too short",
-    ),
-    "non-UTF-8 bytes": (
-        lambda d: [f"data_config.path={_write(d, 'b.txt', bytes(range(256)) * 10)}"], "not UTF-8"),
-    "n_embd not divisible by n_head": (lambda d: ["gpt_config.n_embd=100", "gpt_config.n_head=3"], "divisible"),
-    "zero batch size": (lambda d: ["trainer_config.batch_size=0"], "batch_size must be positive"),
-    "negative batch size": (lambda d: ["trainer_config.batch_size=-4"], "batch_size must be positive"),
-    "zero learning rate": (lambda d: ["optimizer_config.learning_rate=0"], "learning_rate must be positive"),
-    "negative learning rate": (lambda d: ["optimizer_config.learning_rate=-1e-3"], "learning_rate must be positive"),
-    "train_split of 1": (lambda d: ["data_config.train_split=1.0"], "train_split must be in (0, 1)"),
-    "train_split of 0": (lambda d: ["data_config.train_split=0"], "train_split must be in (0, 1)"),
-    "wrong type": (lambda d: ["gpt_config.n_layer=four"], "could not be converted to Integer"),
+# Each case: its overrides (and the files it writes first) -> exit code 2 and one `error: ...` line containing
+# `expect`, no traceback.
+BAD_INPUTS = table(
+    CliCase("misspelled override", ("trainer_config.max_epoch=3",), ("max_epoch", "TrainerConfig"), 2,
+            no_run_dir=True, marks=(pytest.mark.oldest_torch,)),
+    CliCase("missing data file", ("data_config.path=/no/such/file.txt",), ("data file not found",), 2),
+    CliCase("empty data file", ("data_config.path={d}/e.txt",), ("is empty",), 2, files=(("e.txt", b""),)),
+    CliCase("text shorter than block_size + 1", ("data_config.path={d}/s.txt", "data_config.block_size=64"),
+            ("too short",), 2, files=(("s.txt", b"too short"),)),
+    CliCase("non-UTF-8 bytes", ("data_config.path={d}/b.txt",), ("not UTF-8",), 2,
+            files=(("b.txt", bytes(range(256)) * 10),)),
+    CliCase("n_embd not divisible by n_head", ("gpt_config.n_embd=100", "gpt_config.n_head=3"), ("divisible",), 2),
+    CliCase("zero batch size", ("trainer_config.batch_size=0",), ("batch_size must be positive",), 2),
+    CliCase("negative batch size", ("trainer_config.batch_size=-4",), ("batch_size must be positive",), 2),
+    CliCase("zero learning rate", ("optimizer_config.learning_rate=0",), ("learning_rate must be positive",), 2),
+    CliCase("negative learning rate", ("optimizer_config.learning_rate=-1e-3",), ("learning_rate must be positive",),
+            2),
+    CliCase("train_split of 1", ("data_config.train_split=1.0",), ("train_split must be in (0, 1)",), 2),
+    CliCase("train_split of 0", ("data_config.train_split=0",), ("train_split must be in (0, 1)",), 2),
+    CliCase("wrong type", ("gpt_config.n_layer=four",), ("could not be converted to Integer",), 2),
     # Hydra's own flags do not bypass the check: every value of a sweep is checked before its first job runs.
-    "typo inside a sweep (-m)": (lambda d: ["-m", "trainer_config.max_step=1,2"], "Key 'max_step' not in"),
-    "bad value inside a sweep": (lambda d: ["--multirun", "trainer_config.batch_size=8,0"],
-                                 "batch_size must be positive, got 0"),
-    "typo with --cfg job": (lambda d: ["--cfg", "job", "gpt_config.n_layr=2"], "Key 'n_layr' not in"),
-    "unknown flag": (lambda d: ["--bogus"], "unknown option --bogus"),
-    "two Hydra modes": (lambda d: ["-m", "--cfg", "job"], "only one of --cfg, --multirun can be given"),
-}
+    CliCase("typo inside a sweep (-m)", ("-m", "trainer_config.max_step=1,2"), ("Key 'max_step' not in",), 2),
+    CliCase("bad value inside a sweep", ("--multirun", "trainer_config.batch_size=8,0"),
+            ("batch_size must be positive, got 0",), 2),
+    CliCase("typo with --cfg job", ("--cfg", "job", "gpt_config.n_layr=2"), ("Key 'n_layr' not in",), 2),
+    CliCase("unknown flag", ("--bogus",), ("unknown option --bogus",), 2),
+    CliCase("two Hydra modes", ("-m", "--cfg", "job"), ("only one of --cfg, --multirun can be given",), 2),
+)
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
 def test_bad_input_is_one_clear_line(tmp_path, run_dir, case):
-    make_args, message = BAD_INPUTS[case]
-    result = run_cli([*make_args(tmp_path), f"hydra.run.dir={run_dir}"], tmp_path, timeout=60)
-    assert result.returncode == 2, result.stderr
+    result = run_cli([*case.arguments(tmp_path), f"hydra.run.dir={run_dir}"], tmp_path, timeout=60)
+    assert result.returncode == case.exit_code, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+    assert lines[0].startswith("error: ") and all(text in lines[0] for text in case.expect), lines[0]
     assert "Traceback" not in result.stdout + result.stderr
+    if case.no_run_dir:
+        assert not run_dir.exists() and not (tmp_path / "outputs").exists()  # failed before Hydra made one
 
 
 @pytest.mark.oldest_torch

@@ -248,7 +248,7 @@ def test_a_broken_link_and_an_unreadable_file_among_many_are_named(tmp_path):
      (dict(truncate=0.0), "truncate"), (dict(cache_timeout_s=0), "cache_timeout_s"),
      (dict(cache_dir="s3://bucket/cache"), "cache_dir must be a local folder")],
 )
-def test_config_errors(kwargs, message):
+def test_data_config_refuses_out_of_range_splits_sizes_and_a_remote_cache(kwargs, message):
     with pytest.raises(UsageError, match=message):
         DataConfig(**kwargs)
 

@@ -5,7 +5,6 @@ and the global sample position is exact through 2 -> 1 -> 2. Then the one-line s
 the variable, ranks that cannot meet, and a node handed its own agent's stale store (torch 2.13's bug)."""
 
 import datetime
-import json
 import os
 import re
 import signal
@@ -15,10 +14,12 @@ import pytest
 import torch.distributed as dist
 from support import (
     TINY,
-    child_pids,
+    children,
     cli,
     free_port,
+    kill_all,
     logged_step,
+    read_summary,
     subprocess_env,
     wait_for,
 )
@@ -46,13 +47,9 @@ def elastic_agent(tmp_path, name, port, is_host, env, extra_args=(), max_restart
     return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def kill_all(*agents):
+def kill_agents(*agents):
     for agent in agents:
-        for pid in [*child_pids(agent.pid), agent.pid]:  # workers run in sessions of their own
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all([*children(agent.pid), agent.pid])  # workers run in sessions of their own
         agent.wait()
 
 
@@ -66,12 +63,12 @@ def test_a_node_leaves_and_rejoins_with_the_exact_sample_position(tmp_path):
     try:
         # 2 nodes: once a snapshot exists (step 4), node b is lost, agent and worker at once.
         wait_for(lambda: logged_step(run_dir) >= 6 and list(snaps.glob("snapshot-*.pt")), 120, what="2 nodes train")
-        kill_all(b)
+        kill_agents(b)
         # 1 node: a's worker fails on its next collective; a's agent meets alone and starts a new worker, which
         # resumes. It is paused (SIGSTOP) a few steps later, so that the alone phase stays short whatever the speed.
         resumed = lambda: train_log().count("resumed from") == 1  # noqa: E731
         wait_for(lambda: resumed() and len(rows_since_resume(run_dir)) >= 2, 120, what="a resumes and trains alone")
-        (worker,) = child_pids(a.pid)
+        (worker,) = children(a.pid)
         os.kill(worker, signal.SIGSTOP)
         sigterms = (tmp_path / "a.log").read_text().count("closing signal SIGTERM")
         # 2 nodes again: b's agent starts; a's agent sees a waiting node and SIGTERMs its worker, which saves
@@ -83,7 +80,7 @@ def test_a_node_leaves_and_rejoins_with_the_exact_sample_position(tmp_path):
         os.kill(worker, signal.SIGCONT)
         codes = [a.wait(timeout=180), b.wait(timeout=60)]
     finally:
-        kill_all(*agents)
+        kill_agents(*agents)
     logs = {n: (tmp_path / f"{n}.log").read_text() for n in ("a", "b", "b2")}
     assert codes == [0, 0], "\n".join(f"--- {n}\n{text[-3000:]}" for n, text in logs.items())
 
@@ -99,7 +96,7 @@ def test_a_node_leaves_and_rejoins_with_the_exact_sample_position(tmp_path):
     last = snapshot_format.from_bytes((snaps / snapshot_format.snapshot_name(MAX_STEPS)).read_bytes(), "last")
     assert last["progress"]["step"] == MAX_STEPS and last["world_size"] == 2
     assert last["progress"]["epoch_samples"] == n2 + 2 * BATCH * (MAX_STEPS - s2)  # steps s2+1..MAX_STEPS, 2 nodes
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert summary["steps"] == MAX_STEPS and summary["world_size"] == 2 and summary["replicas_identical"]
     steps = {row["step"] for row in read_metrics(run_dir)}
     assert set(range(1, MAX_STEPS + 1)) <= steps
@@ -120,7 +117,7 @@ def test_elastic_without_the_variable_stops_at_the_start_with_one_line(tmp_path)
     try:
         code = agent.wait(timeout=120)
     finally:
-        kill_all(agent)
+        kill_agents(agent)
     log = (tmp_path / "a.log").read_text()
     errors = [line for line in log.splitlines() if "error: " in line and "torchrun --nnodes=1:2" in line]
     assert code != 0 and len(errors) == 1, log

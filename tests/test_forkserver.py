@@ -18,11 +18,12 @@ import pytest
 from support import (
     PYTHON,
     TINY,
-    child_pids,
+    children,
     cli,
     fork_servers,
     free_port,
     logged_step,
+    read_summary,
     run_cli,
     subprocess_env,
     wait_for,
@@ -89,7 +90,7 @@ def train_args(folder: Path, name: str, steps: int) -> list[str]:
 
 
 def summary(folder: Path, name: str) -> dict:
-    return json.loads((folder / name / "run" / "summary.json").read_text())
+    return read_summary(folder / name / "run")
 
 
 def test_a_served_worker_trains_and_reports_as_a_fresh_process(agent, tmp_path):
@@ -117,7 +118,7 @@ def test_signals_reach_the_child_and_its_end_is_the_workers(agent, tmp_path):
     # SIGTERM to the worker: the child stops after its step with a snapshot and exits 0, as a fresh process does.
     worker, log = agent.start(train_args(tmp_path, "term", 100000), cpus=last)
     wait_for(lambda: logged_step(tmp_path / "term" / "run") >= 10, timeout=120, what="step 10")
-    (child,) = child_pids(agent.server())
+    (child,) = children(agent.server())
     assert os.sched_getaffinity(child) == last
     os.kill(worker, signal.SIGTERM)
     assert agent.wait(worker) == 0, log.read_text()[-3000:]
@@ -127,7 +128,7 @@ def test_signals_reach_the_child_and_its_end_is_the_workers(agent, tmp_path):
     # SIGSTOP cannot be passed on: the child follows its stopped worker, and its SIGCONT.
     worker, log = agent.start(train_args(tmp_path, "stop", 100000), cpus=first)
     wait_for(lambda: logged_step(tmp_path / "stop" / "run") >= 10, timeout=120, what="step 10")
-    (child,) = child_pids(agent.server())
+    (child,) = children(agent.server())
     assert os.sched_getaffinity(child) == first
     os.kill(worker, signal.SIGSTOP)
     wait_for(lambda: forkserver.process_state(child) == "T", timeout=5, what="the child to stop")
@@ -144,7 +145,7 @@ def test_signals_reach_the_child_and_its_end_is_the_workers(agent, tmp_path):
     # A child that dies by a signal: its worker ends by the same signal, for torchrun to see.
     worker, log = agent.start(train_args(tmp_path, "oom", 100000))
     wait_for(lambda: logged_step(tmp_path / "oom" / "run") >= 5, timeout=120, what="step 5")
-    (child,) = child_pids(agent.server())
+    (child,) = children(agent.server())
     os.kill(child, signal.SIGKILL)  # as the OOM killer would
     assert agent.wait(worker) == -signal.SIGKILL
 

@@ -4,8 +4,8 @@ the snapshot tools (consolidate, export), activation checkpointing. Several proc
 
 from __future__ import annotations
 
-import dataclasses
 import errno
+import functools
 import json
 import logging
 import os
@@ -15,14 +15,14 @@ import signal
 import pytest
 import torch
 import torch.distributed as dist
+from support import corpus_text, make_trainer
 
 import snapshot as snapshot_tool
 from char_dataset import CharCorpus, DataConfig
 from mingpt.checkpoint import sharded
 from mingpt.checkpoint import store as snap
-from mingpt.distributed.process_group import DistContext
 from mingpt.errors import CorruptSnapshot, UsageError
-from mingpt.optim import OptimizerConfig, build_optimizer, learning_rate
+from mingpt.optim import OptimizerConfig, build_optimizer
 from mingpt.parallel.data_parallel import (
     checkpoint_activations,
     named_optimizer_state,
@@ -33,7 +33,12 @@ from model import GPT, GPTConfig
 from sample import load_snapshot, model_from_snapshot
 from trainer import Trainer, TrainerConfig, eval_lockstep
 
-TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(300))
+LINES = 300
+TEXT = corpus_text(LINES)
+# The trainers here: support.make_trainer under FSDP (strategy="ddp" for the other), two blocks, dropout, batches
+# of 8, 2 validation batches.
+fsdp_trainer = functools.partial(make_trainer, strategy="fsdp", dropout=0.1, n_layer=2, lines=LINES, batch_size=8,
+                                 eval_batches=2)
 
 
 @pytest.fixture(autouse=True)
@@ -42,21 +47,6 @@ def no_group_left():
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def make_trainer(snapshots=None, strategy="fsdp", dropout=0.1, **trainer_kwargs) -> Trainer:
-    corpus = CharCorpus.from_text(TEXT, DataConfig(block_size=16))
-    torch.manual_seed(0)
-    gpt_cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, dropout=dropout, vocab_size=len(corpus.vocab), block_size=16)
-    model = GPT(gpt_cfg)
-    metadata = {"model_config": dataclasses.asdict(gpt_cfg), "vocab": corpus.vocab.chars, "strategy": strategy}
-    opt_cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3)
-    cfg = TrainerConfig(**{"mixed_precision": "fp32", "log_every_steps": 5, "batch_size": 8, "strategy": strategy,
-                           "eval_batches": 2, **trainer_kwargs})
-    store = None if snapshots is None else snap.SnapshotStore(str(snapshots))
-    return Trainer(cfg, model, lambda m: build_optimizer(m, opt_cfg),
-                   lambda step, total: learning_rate(step, opt_cfg, total), corpus.train_dataset(),
-                   corpus.val_dataset(), DistContext(), snapshots=store, snapshot_metadata=metadata)
 
 
 def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -78,7 +68,7 @@ def reopen(trainer_factory):
 
 # ------------------------------------------------------------------------------------------- training and resume
 def test_one_shard_trains_saves_shards_and_resumes_bit_for_bit(tmp_path):
-    straight = make_trainer(tmp_path / "a", max_steps=12, save_every_steps=6, keep_last=5)
+    straight = fsdp_trainer(snapshots=tmp_path / "a", max_steps=12, save_every_steps=6, keep_last=5)
     straight.fit()
     expected = full_weights(straight)
     names = sorted(os.listdir(tmp_path / "a"))
@@ -91,7 +81,7 @@ def test_one_shard_trains_saves_shards_and_resumes_bit_for_bit(tmp_path):
 
     (tmp_path / "b").mkdir()
     os.rename(folder, tmp_path / "b" / folder.name)  # resume from step 6 alone
-    resumed = reopen(lambda: make_trainer(tmp_path / "b", max_steps=12, save_every_steps=6, keep_last=5))
+    resumed = reopen(lambda: fsdp_trainer(snapshots=tmp_path / "b", max_steps=12, save_every_steps=6, keep_last=5))
     resumed.fit()
     assert resumed.trained_steps == 6
     assert_same_weights(full_weights(resumed), expected)
@@ -102,10 +92,10 @@ def test_one_shard_trains_saves_shards_and_resumes_bit_for_bit(tmp_path):
 def test_gradient_accumulation_and_clipping_work_sharded():
     """Two micro-batches of 4 give the update of one batch of 8 (no gradient sync on the first); the clipped
     norm is the global norm over all shards."""
-    big = make_trainer(max_steps=1, batch_size=8, dropout=0.0, grad_norm_clip=0.05)
+    big = fsdp_trainer(max_steps=1, batch_size=8, dropout=0.0, grad_norm_clip=0.05)
     big.train_step()
     big_weights, big_norm = full_weights(big), big.window.grad_norm
-    small = reopen(lambda: make_trainer(max_steps=1, batch_size=4, grad_accum_steps=2, dropout=0.0,
+    small = reopen(lambda: fsdp_trainer(max_steps=1, batch_size=4, grad_accum_steps=2, dropout=0.0,
                                         grad_norm_clip=0.05))
     small.train_step()
     assert not isinstance(big_norm, torch.distributed.tensor.DTensor) and float(big_norm) > 0.05  # it clipped
@@ -115,24 +105,24 @@ def test_gradient_accumulation_and_clipping_work_sharded():
 
 
 def test_ddp_and_fsdp_resume_each_others_snapshots(tmp_path, caplog):
-    ddp = make_trainer(tmp_path / "ddp", strategy="ddp", max_steps=6)
+    ddp = fsdp_trainer(snapshots=tmp_path / "ddp", strategy="ddp", max_steps=6)
     ddp.fit()
-    into_fsdp = make_trainer(tmp_path / "ddp", max_steps=6)  # a run at its end: loads, trains nothing
+    into_fsdp = fsdp_trainer(snapshots=tmp_path / "ddp", max_steps=6)  # a run at its end: loads, trains nothing
     into_fsdp.fit()
     assert into_fsdp.step == 6 and into_fsdp.trained_steps == 0
     assert_same_weights(full_weights(into_fsdp), full_weights(ddp))
     # and the optimizer state came along: one more step from each gives the same weights
-    ddp_more = reopen(lambda: make_trainer(tmp_path / "ddp", strategy="ddp", max_steps=7, save_every=100))
+    ddp_more = reopen(lambda: fsdp_trainer(snapshots=tmp_path / "ddp", strategy="ddp", max_steps=7, save_every=100))
     ddp_more.fit()
-    fsdp_more = reopen(lambda: make_trainer(tmp_path / "ddp", max_steps=7, save_every=100))
+    fsdp_more = reopen(lambda: fsdp_trainer(snapshots=tmp_path / "ddp", max_steps=7, save_every=100))
     fsdp_more.fit()
     assert_same_weights(full_weights(fsdp_more), full_weights(ddp_more))
 
-    fsdp = reopen(lambda: make_trainer(tmp_path / "fsdp", max_steps=6))
+    fsdp = reopen(lambda: fsdp_trainer(snapshots=tmp_path / "fsdp", max_steps=6))
     fsdp.fit()
-    into_ddp = reopen(lambda: make_trainer(tmp_path / "fsdp", strategy="ddp", max_steps=7, save_every=100))
+    into_ddp = reopen(lambda: fsdp_trainer(snapshots=tmp_path / "fsdp", strategy="ddp", max_steps=7, save_every=100))
     into_ddp.fit()
-    again = reopen(lambda: make_trainer(tmp_path / "fsdp", max_steps=7, save_every=100))
+    again = reopen(lambda: fsdp_trainer(snapshots=tmp_path / "fsdp", max_steps=7, save_every=100))
     again.fit()
     assert_same_weights(full_weights(into_ddp), full_weights(again))
 
@@ -151,7 +141,7 @@ def test_validation_runs_as_many_forward_passes_on_every_rank():
 
 # ------------------------------------------------------------------------------------------- damage and commit
 def two_snapshots(tmp_path) -> list[str]:
-    make_trainer(tmp_path, max_steps=8, save_every_steps=4).fit()
+    fsdp_trainer(snapshots=tmp_path, max_steps=8, save_every_steps=4).fit()
     return sorted(os.listdir(tmp_path))
 
 
@@ -240,7 +230,7 @@ def test_an_interrupted_local_save_stays_hidden_and_is_removed_after_the_next(tm
 def test_on_an_object_store_a_folder_without_its_commit_file_is_incomplete(tmp_path):
     """memory:// stands for any fsspec store: the shards are written in place, snapshot.json last."""
     url = f"memory://fsdp-{os.getpid()}-{tmp_path.name}"
-    make_trainer(url, max_steps=8, save_every_steps=4).fit()
+    fsdp_trainer(snapshots=url, max_steps=8, save_every_steps=4).fit()
     store = snap.SnapshotStore(url)
     assert [e.name for e in store.entries()] == ["snapshot-000000008.dcp", "snapshot-000000004.dcp"]
     store.fs.pipe_file(f"{store.root}/snapshot-000000012.dcp/__0_0.distcp", b"partial")  # a killed save
@@ -248,7 +238,7 @@ def test_on_an_object_store_a_folder_without_its_commit_file_is_incomplete(tmp_p
     assert store.load_newest_valid()[0].step == 8
     assert store.prune(keep_last=2) == ["the incomplete snapshot-000000012.dcp"]
     assert not store.fs.exists(f"{store.root}/snapshot-000000012.dcp")
-    resumed = reopen(lambda: make_trainer(url, max_steps=10, save_every_steps=4))
+    resumed = reopen(lambda: fsdp_trainer(snapshots=url, max_steps=10, save_every_steps=4))
     resumed.fit()
     assert resumed.trained_steps == 2
     store.fs.rm(store.root, recursive=True)
@@ -256,7 +246,7 @@ def test_on_an_object_store_a_folder_without_its_commit_file_is_incomplete(tmp_p
 
 # ------------------------------------------------------------------------------------------- tools
 def test_consolidate_export_info_and_sample_read_sharded_snapshots(tmp_path):
-    trainer = make_trainer(tmp_path / "s", max_steps=6)
+    trainer = fsdp_trainer(snapshots=tmp_path / "s", max_steps=6)
     trainer.fit()
     weights = full_weights(trainer)
     source = str(tmp_path / "s" / "snapshot-000000006.dcp")
@@ -290,7 +280,7 @@ def test_consolidate_export_info_and_sample_read_sharded_snapshots(tmp_path):
 
 def test_snapshot_cli_lists_consolidates_and_exports(tmp_path, capsys):
     """snapshot.py's commands in this process (tests/test_snapshot.py runs the CLI as a process)."""
-    make_trainer(tmp_path / "s", max_steps=6).fit()
+    fsdp_trainer(snapshots=tmp_path / "s", max_steps=6).fit()
 
     def run(*args: str) -> tuple[int, str, str]:
         code = snapshot_tool.cli(list(args))
@@ -328,12 +318,12 @@ def test_optimizer_state_numbering_round_trips():
 # ------------------------------------------------------------------------------------------- activation checkpointing
 def test_activation_checkpointing_gives_the_same_losses_and_weights(tmp_path):
     """Recomputing each block in the backward pass, dropout included, is the same arithmetic."""
-    plain = make_trainer(strategy="ddp", max_steps=5)
+    plain = fsdp_trainer(strategy="ddp", max_steps=5)
     plain.fit()
-    checkpointed = make_trainer(strategy="ddp", max_steps=5, activation_checkpointing="blocks")
+    checkpointed = fsdp_trainer(strategy="ddp", max_steps=5, activation_checkpointing="blocks")
     checkpointed.fit()
     assert_same_weights(full_weights(checkpointed), full_weights(plain))
-    sharded_checkpointed = make_trainer(max_steps=5, activation_checkpointing="blocks")
+    sharded_checkpointed = fsdp_trainer(max_steps=5, activation_checkpointing="blocks")
     sharded_checkpointed.fit()
     assert sharded_checkpointed.last_val_loss == pytest.approx(plain.last_val_loss, rel=1e-5)
 
@@ -354,7 +344,7 @@ def test_unknown_strategy_or_checkpointing_is_one_line(field, value):
 
 
 def test_a_snapshot_of_another_shape_is_refused_in_one_line(tmp_path):
-    make_trainer(tmp_path, max_steps=2).fit()
+    fsdp_trainer(snapshots=tmp_path, max_steps=2).fit()
     other = {"model_config": {"n_layer": 3}, "vocab": CharCorpus.from_text(TEXT, DataConfig()).vocab.chars}
     with pytest.raises(UsageError, match="different model: n_layer=2 in the snapshot, 3 in the config"):
         snap.SnapshotStore(str(tmp_path)).load_newest_valid(other["model_config"], other["vocab"])
@@ -389,7 +379,7 @@ def test_sharded_snapshots_on_s3(s3):
     objects are not a snapshot and are removed after the next save; info and resume read it back."""
     s3.create_bucket(Bucket="shards")
     url = "s3://shards/run"
-    make_trainer(url, max_steps=8, save_every_steps=4).fit()
+    fsdp_trainer(snapshots=url, max_steps=8, save_every_steps=4).fit()
 
     def keys() -> list[str]:
         return sorted(o["Key"] for o in s3.list_objects_v2(Bucket="shards").get("Contents", []))
@@ -399,7 +389,7 @@ def test_sharded_snapshots_on_s3(s3):
     s3.put_object(Bucket="shards", Key="run/snapshot-000000012.dcp/__0_0.distcp", Body=b"partial")  # a killed save
     info = snap.summary(snap.read_snapshot(f"{url}/snapshot-000000008.dcp"))
     assert info["step"] == 8 and info["format"] == "sharded"
-    resumed = reopen(lambda: make_trainer(url, max_steps=12, save_every_steps=4))
+    resumed = reopen(lambda: fsdp_trainer(snapshots=url, max_steps=12, save_every_steps=4))
     resumed.fit()
     assert resumed.trained_steps == 4
     assert "run/snapshot-000000012.dcp/snapshot.json" in keys()  # the step was saved again, completely
@@ -431,24 +421,24 @@ def test_a_failing_sharded_save_is_retried_and_leaves_nothing_behind(tmp_path, m
     monkeypatch.setattr(snap, "SAVE_FIRST_BACKOFF_S", 0.01)
     caplog.set_level(logging.INFO, logger="mingpt.checkpoint.sharded")
     calls = fail_shard_writes(monkeypatch, 2, OSError(errno.EIO, "I/O error"))
-    make_trainer(tmp_path, max_steps=4).fit()
+    fsdp_trainer(snapshots=tmp_path, max_steps=4).fit()
     assert calls[0] == 3 and "attempt 2 of 4 failed (rank 0: OSError: [Errno 5] I/O error)" in caplog.text
     assert os.listdir(tmp_path) == ["snapshot-000000004.dcp"] and hidden(tmp_path) == []
     assert snap.SnapshotStore(str(tmp_path)).load_newest_valid()[0].step == 4
 
 
 def test_a_sharded_save_that_cannot_succeed_is_one_line_and_keeps_the_previous(tmp_path, monkeypatch):
-    make_trainer(tmp_path, max_steps=4).fit()
+    fsdp_trainer(snapshots=tmp_path, max_steps=4).fit()
     before = sorted(os.listdir(tmp_path))
     calls = fail_shard_writes(monkeypatch, -1, PermissionError(errno.EACCES, "Permission denied"))
-    again = reopen(lambda: make_trainer(tmp_path, max_steps=6))
+    again = reopen(lambda: fsdp_trainer(snapshots=tmp_path, max_steps=6))
     with pytest.raises(UsageError, match=r"snapshot-000000006\.dcp not saved \(1 attempt\(s\).*PermissionError"):
         again.fit()  # the final save must succeed; a permission error is not tried again
     assert calls[0] == 1 and sorted(os.listdir(tmp_path)) == before and hidden(tmp_path) == []
 
 
 def test_fp16_under_fsdp_agrees_on_overflow_and_skips_the_step():
-    trainer = make_trainer(mixed_precision="fp16", max_steps=3, dropout=0.0)
+    trainer = fsdp_trainer(mixed_precision="fp16", max_steps=3, dropout=0.0)
     trainer.fit()  # fused AdamW with the sharded scaler
     assert trainer.scaler.is_enabled() and trainer.last_val_loss < 10
     x, y = trainer.split(trainer.val_loader.dataset.dataset.windows(list(range(4))))
@@ -467,7 +457,7 @@ def test_fp16_under_fsdp_agrees_on_overflow_and_skips_the_step():
 
 
 def test_sigterm_under_fsdp_stops_after_the_next_step_with_a_sharded_snapshot(tmp_path):
-    trainer = make_trainer(tmp_path, max_steps=10_000, save_every=1000)
+    trainer = fsdp_trainer(snapshots=tmp_path, max_steps=10_000, save_every=1000)
     take_step = trainer.train_step
 
     def step_then_sigterm() -> None:
@@ -479,7 +469,7 @@ def test_sigterm_under_fsdp_stops_after_the_next_step_with_a_sharded_snapshot(tm
     trainer.fit()
     assert trainer.stopped_early and 6 <= trainer.step <= 7  # the stop flags are agreed during the next step
     assert os.listdir(tmp_path) == [f"snapshot-{trainer.step:09d}.dcp"]
-    resumed = reopen(lambda: make_trainer(tmp_path, max_steps=trainer.step + 2, save_every=1000))
+    resumed = reopen(lambda: fsdp_trainer(snapshots=tmp_path, max_steps=trainer.step + 2, save_every=1000))
     resumed.fit()
     assert resumed.trained_steps == 2
 
@@ -488,14 +478,15 @@ def test_bf16_under_fsdp_on_a_cpu_keeps_fp32_state_and_resumes_bit_for_bit(tmp_p
     """bf16 is the default on a CPU with bf16 instructions: FSDP's mixed-precision policy on gloo (parameters
     gathered in bf16, gradients reduced in fp32) keeps fp32 shards, and a sharded snapshot resumes to the bits of
     the uninterrupted run."""
-    straight = make_trainer(tmp_path / "a", mixed_precision="bf16", max_steps=6, save_every_steps=3, dropout=0.0)
+    straight = fsdp_trainer(snapshots=tmp_path / "a", mixed_precision="bf16", max_steps=6, save_every_steps=3,
+                            dropout=0.0)
     straight.fit()
     assert not straight.scaler.is_enabled() and straight.last_val_loss < 10
     assert all(p.dtype == torch.float32 for p in straight.raw_model.parameters())
     (tmp_path / "b").mkdir()
     os.rename(tmp_path / "a" / "snapshot-000000003.dcp", tmp_path / "b" / "snapshot-000000003.dcp")
-    resumed = reopen(lambda: make_trainer(tmp_path / "b", mixed_precision="bf16", max_steps=6, save_every_steps=3,
-                                          dropout=0.0))
+    resumed = reopen(lambda: fsdp_trainer(snapshots=tmp_path / "b", mixed_precision="bf16", max_steps=6,
+                                          save_every_steps=3, dropout=0.0))
     resumed.fit()
     assert resumed.trained_steps == 3
     assert_same_weights(full_weights(resumed), full_weights(straight))

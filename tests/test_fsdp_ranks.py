@@ -3,15 +3,13 @@ restarted by torchrun ending bit-for-bit equal, the 2 ranks' snapshots resumed o
 global sample position kept. One run serves several checks: the launches are the expensive part. (How close
 fsdp's validation loss comes to ddp's is measured in the README's benchmark, on a longer run.)"""
 
-import json
 import os
 import re
 import shutil
-import signal
 
 import pytest
 import torch
-from support import TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
+from support import TINY, assert_ok, kill_and_resume, read_summary, run_cli
 
 from mingpt import compat
 from mingpt.checkpoint import store as snap
@@ -21,10 +19,6 @@ def fsdp_args(snaps, run_dir, strategy: str = "fsdp", max_steps: int = 40) -> li
     return [*TINY, f"trainer_config.strategy={strategy}", f"trainer_config.max_steps={max_steps}",
             "trainer_config.save_every_steps=10", "trainer_config.keep_last=5", f"trainer_config.snapshot_path={snaps}",
             f"hydra.run.dir={run_dir}"]
-
-
-def summary(run_dir) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 @pytest.mark.oldest_torch
@@ -45,7 +39,7 @@ def test_fsdp_on_a_cpu_is_refused_in_one_line_by_a_torch_too_old_for_it(tmp_path
 def test_two_ranks_save_shards_survive_a_kill_and_resume_on_one_and_three(tmp_path):
     straight = run_cli(fsdp_args(tmp_path / "snaps_a", tmp_path / "run_a"), tmp_path, nproc=2)
     assert_ok(straight)
-    reference = summary(tmp_path / "run_a")
+    reference = read_summary(tmp_path / "run_a")
     assert reference["steps"] == 40 and reference["replicas_identical"]
     folder = tmp_path / "snaps_a" / "snapshot-000000020.dcp"
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "snapshot.json"} == set(os.listdir(folder))
@@ -53,12 +47,8 @@ def test_two_ranks_save_shards_survive_a_kill_and_resume_on_one_and_three(tmp_pa
     assert newest["weights_sha256"] == reference["weights_sha256"] and newest["world_size"] == 2
 
     # A worker SIGKILLed mid-run; torchrun restarts both, they resume from their shards: the same weights.
-    job = start_cli(fsdp_args(tmp_path / "snaps_b", tmp_path / "run_b"), tmp_path, nproc=2, max_restarts=1)
-    wait_for(lambda: logged_step(tmp_path / "run_b") >= 25, timeout=120, what="step 25")
-    os.kill(child_pids(job.pid)[-1], signal.SIGKILL)
-    assert job.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
-    assert "resumed from" in (tmp_path / "launch.log").read_text()
-    assert summary(tmp_path / "run_b")["weights_sha256"] == reference["weights_sha256"]
+    kill_and_resume(fsdp_args(tmp_path / "snaps_b", tmp_path / "run_b"), tmp_path, tmp_path / "run_b", at_step=25,
+                    reference=tmp_path / "run_a")
 
     # The 2 ranks' step-20 snapshot, resumed by 1 process (no torchrun: a group of one) and by 3.
     for nproc in (None, 3):
@@ -72,4 +62,4 @@ def test_two_ranks_save_shards_survive_a_kill_and_resume_on_one_and_three(tmp_pa
                 in resumed.stdout)
         last = snap.read_snapshot(str(snaps / "snapshot-000000040.dcp"))
         assert last["world_size"] == world_size and last["progress"]["epoch_samples"] == 320 + 20 * world_size * 8
-        assert summary(tmp_path / f"run_{nproc or 1}")["steps"] == 40
+        assert read_summary(tmp_path / f"run_{nproc or 1}")["steps"] == 40

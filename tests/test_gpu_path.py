@@ -1,21 +1,18 @@
 """The GPU path, checked on a CPU: precision choice on simulated GPUs, batches as one contiguous window block,
 resuming across a change of mixed_precision (fp16 runs on a CPU too), and bench.py's datasheet peaks."""
 
+import functools
 import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
-from support import TINY, assert_ok, run_cli
+from support import TINY, assert_ok, make_trainer, run_cli
 
 from benchmarks import bench
-from char_dataset import CharCorpus, DataConfig
-from mingpt.distributed.process_group import DistContext
 from mingpt.errors import UsageError
-from mingpt.optim import OptimizerConfig, build_optimizer, learning_rate
 from mingpt.reporting.logs import read_metrics
-from model import GPT, GPTConfig
-from trainer import Trainer, TrainerConfig, resolve_precision, validation_loss
+from trainer import resolve_precision, validation_loss
 
 CUDA = torch.device("cuda", 0)
 
@@ -47,22 +44,15 @@ def test_auto_precision_is_bf16_on_ampere_and_later(monkeypatch):
     assert resolve_precision("bf16", CUDA) == torch.bfloat16
 
 
-def make_trainer(**trainer_kwargs) -> Trainer:
-    text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(200))
-    corpus = CharCorpus.from_text(text, DataConfig(block_size=16))
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, dropout=0.1, vocab_size=len(corpus.vocab), block_size=16))
-    opt_cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3)
-    cfg = TrainerConfig(**{"mixed_precision": "fp32", "batch_size": 8, "max_steps": 4, **trainer_kwargs})
-    return Trainer(cfg, model, build_optimizer(model, opt_cfg), lambda step, total: learning_rate(step, opt_cfg, total),
-                   corpus.train_dataset(), corpus.val_dataset(), DistContext())
+# The trainers here: support.make_trainer with dropout, over 200 lines, 4 steps of batches of 8.
+gpu_path_trainer = functools.partial(make_trainer, dropout=0.1, lines=200, batch_size=8, max_steps=4)
 
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_batches_are_one_contiguous_window_block(workers):
     """What goes to the device is one contiguous (B, T+1) tensor (pinned as one block on CUDA); x and y are its
     views, the same values as the dataset's (x, y) pairs, in the in-process path and the DataLoader's alike."""
-    trainer = make_trainer(data_loader_workers=workers)
+    trainer = gpu_path_trainer(data_loader_workers=workers)
     trainer.sampler.set_epoch(0)
     indices = next(iter(torch.utils.data.BatchSampler(trainer.sampler, 8, drop_last=True)))
     windows = next(trainer.epoch_batches())
@@ -77,7 +67,7 @@ def test_batches_are_one_contiguous_window_block(workers):
 
 def test_data_loader_workers_train_the_same_weights():
     """The DataLoader path (the one CUDA takes, with pinned memory there) trains exactly as the in-process one."""
-    in_process, loader = make_trainer(data_loader_workers=0), make_trainer(data_loader_workers=1)
+    in_process, loader = gpu_path_trainer(data_loader_workers=0), gpu_path_trainer(data_loader_workers=1)
     for trainer in (in_process, loader):
         for _ in range(3):
             trainer.train_step()
@@ -112,12 +102,12 @@ def test_fp16_resumes_a_fp32_snapshot_with_a_fresh_scaler(tmp_path):
                                             ("fp16", "fp16")])
 def test_scaler_state_across_precisions(saved, resumed, caplog):
     """In process, every direction: a scaler only where fp16 trains; its state carried over only fp16 -> fp16."""
-    before = make_trainer(mixed_precision=saved)
+    before = gpu_path_trainer(mixed_precision=saved)
     before.train_step()
     if before.scaler.is_enabled():
         before.scaler.update(1024.0)  # a loss scale that is not the default
     snap = {key: part.state_dict() for key, part in before.checkpoints.stateful.items()}  # what a snapshot holds
-    after = make_trainer(mixed_precision=resumed)
+    after = gpu_path_trainer(mixed_precision=resumed)
     with caplog.at_level(logging.INFO, logger="trainer"):
         for key, part in after.checkpoints.stateful.items():
             part.load_state_dict(snap[key])

@@ -2,13 +2,24 @@
 (its workers must not train on as orphans), one rank that fails (the others end within seconds, the error is
 printed once), and SIGTERM while a peer is stuck (the rank leaves within trainer_config.stop_timeout_s)."""
 
-import json
 import os
 import signal
 import time
 from pathlib import Path
 
-from support import TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
+from support import (
+    TINY,
+    assert_ok,
+    children,
+    kill_all,
+    kill_at_step,
+    logged_step,
+    read_summary,
+    run_cli,
+    start_cli,
+    wait_for,
+    weights_digest,
+)
 
 from mingpt.checkpoint import store as snap
 
@@ -26,18 +37,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def weights(run_dir: Path) -> str:
-    return json.loads((run_dir / "summary.json").read_text())["weights_sha256"]
-
-
 def test_rerun_of_a_finished_job_says_so_and_exits_0(tmp_path):
     snaps = tmp_path / "snaps"
     first = run_cli(job_args(snaps, tmp_path / "run1", max_steps=20), tmp_path)
@@ -50,7 +49,7 @@ def test_rerun_of_a_finished_job_says_so_and_exits_0(tmp_path):
     assert "raise trainer_config.max_steps or trainer_config.max_epochs" in again.stdout
     assert "Traceback" not in again.stderr and "training: steps" not in again.stdout
     assert not (tmp_path / "run2" / "loss.png").exists()  # no plot or sample of a run that trained nothing
-    assert json.loads((tmp_path / "run2" / "summary.json").read_text())["steps"] == 20
+    assert read_summary(tmp_path / "run2")["steps"] == 20
     assert [e.step for e in snap.SnapshotStore(str(snaps)).entries()] == [20, 10]  # nothing written
 
     # The same error on every rank (a snapshot of another shape) is printed once, not once per rank.
@@ -69,10 +68,7 @@ def test_workers_of_a_killed_agent_stop_and_a_rerun_ends_as_if_uninterrupted(tmp
     job = start_cli(job_args(snaps, run_dir, steps), tmp_path, nproc=2)
     workers: list[int] = []
     try:
-        wait_for(lambda: logged_step(run_dir) >= 20, timeout=120, what="step 20")
-        workers = child_pids(job.pid)
-        assert len(workers) == 2
-        os.kill(job.pid, signal.SIGKILL)  # the agent only, as the OOM killer would
+        workers = kill_at_step(job, run_dir, at_step=20, victim="agent")  # the agent only, as the OOM killer would
         job.wait()
         killed_at = time.monotonic()
         wait_for(lambda: not any(alive(w) for w in workers), timeout=15, what="the orphaned workers to exit")
@@ -91,7 +87,7 @@ def test_workers_of_a_killed_agent_stop_and_a_rerun_ends_as_if_uninterrupted(tmp
     rerun = run_cli(job_args(snaps, run_dir, steps), tmp_path, nproc=2)  # the user runs the command again
     assert_ok(rerun)
     assert "resumed from" in rerun.stdout
-    assert weights(run_dir) == weights(tmp_path / "run_a")
+    assert weights_digest(run_dir) == weights_digest(tmp_path / "run_a")
 
 
 def test_one_rank_failing_ends_every_rank_within_seconds_with_one_report(tmp_path):
@@ -106,7 +102,7 @@ def test_one_rank_failing_ends_every_rank_within_seconds_with_one_report(tmp_pat
         code = job.wait(timeout=60)
         ended_after = time.monotonic() - failed_at
     finally:
-        kill_all([*child_pids(job.pid), job.pid])
+        kill_all([*children(job.pid), job.pid])
     log = log_path.read_text()
     assert code != 0
     assert ended_after < 10, (ended_after, log[-3000:])
@@ -121,7 +117,7 @@ def test_sigterm_with_a_stuck_peer_leaves_within_the_stop_timeout(tmp_path):
     workers: list[int] = []
     try:
         wait_for(lambda: logged_step(run_dir) >= 5, timeout=120, what="step 5")
-        workers = child_pids(job.pid)
+        workers = children(job.pid)
         os.kill(workers[1], signal.SIGSTOP)  # a peer that neither answers nor closes its connections
         time.sleep(1)  # the other rank is now blocked in a collective with it
         os.kill(workers[0], signal.SIGTERM)

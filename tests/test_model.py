@@ -155,7 +155,7 @@ def test_dropout_is_active_only_in_training():
         (dict(dropout=1.0), "dropout"),
     ],
 )
-def test_config_errors(kwargs, message):
+def test_gpt_config_refuses_indivisible_heads_no_layers_and_full_dropout(kwargs, message):
     with pytest.raises(UsageError, match=message):
         GPTConfig(**kwargs)
 

@@ -1,9 +1,8 @@
 """Two torchrun agents (--nnodes=2, one process each) meeting through c10d rendezvous on 127.0.0.1."""
 
-import json
 import subprocess
 
-from support import TINY, cli, free_port, subprocess_env
+from support import TINY, cli, free_port, read_summary, subprocess_env
 
 
 def test_two_nodes_train_to_the_end_with_identical_weights(tmp_path):
@@ -21,7 +20,7 @@ def test_two_nodes_train_to_the_end_with_identical_weights(tmp_path):
     codes = [agent.wait(timeout=240) for agent in agents]
     logs = [(tmp_path / f"node{n}.log").read_text() for n in (0, 1)]
     assert codes == [0, 0], logs
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert summary["world_size"] == 2 and summary["steps"] == 30
     assert len(set(summary["rank_weights_sha256"])) == 1 and summary["replicas_identical"]
     # One snapshot (the end of training), written once, by global rank 0 only.

@@ -51,6 +51,6 @@ def test_optimizer_groups_and_fused_kernel_match_reference_adamw():
      (dict(weight_decay=-0.1), "weight_decay"), (dict(beta2=1.0), "beta2"),
      (dict(min_lr=1.0), "min_lr"), (dict(warmup_steps=-1), "warmup_steps")],
 )
-def test_config_errors(kwargs, message):
+def test_optimizer_config_refuses_out_of_range_rates_betas_and_warmup(kwargs, message):
     with pytest.raises(UsageError, match=message):
         OptimizerConfig(**kwargs)

@@ -10,7 +10,7 @@ import signal
 import subprocess
 
 import pytest
-from support import TINY, child_pids, cli, fork_servers, standalone, subprocess_env, wait_for
+from support import TINY, children, cli, fork_servers, kill_all, standalone, subprocess_env, wait_for
 
 from mingpt.reporting.logs import read_metrics
 
@@ -35,7 +35,7 @@ def test_six_sigkilled_workers_in_a_row_all_come_back(tmp_path, forkserver):
         came_back, previous = 0, []
         for attempt in range(KILLS + 1):
             new_workers = lambda: (  # noqa: E731
-                (w := child_pids(job.pid)) and len(w) == 2 and not set(w) & set(previous) and w
+                (w := children(job.pid)) and len(w) == 2 and not set(w) & set(previous) and w
             )
             workers = wait_for(lambda: new_workers() or job.poll() is not None, timeout=180, what="new workers")
             assert job.poll() is None, f"job ended after {came_back} restarts:\n" + log_path.read_text()[-3000:]
@@ -53,9 +53,5 @@ def test_six_sigkilled_workers_in_a_row_all_come_back(tmp_path, forkserver):
         assert "forkserver:" not in log_path.read_text()  # with the opt-in: never refused
         assert bool(fork_servers(job.pid)) == (forkserver == "1")
     finally:  # torchrun starts each worker in a session of its own: kill them one by one, then the agent
-        for pid in [*child_pids(job.pid), job.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all([*children(job.pid), job.pid])
         job.wait()

@@ -1,13 +1,23 @@
 """Fault tolerance with real processes: SIGKILL + torchrun restart, world-size change, a kill during a save,
 damaged and foreign snapshots, SIGTERM."""
 
-import json
 import os
 import signal
 from pathlib import Path
 
 import pytest
-from support import PROJECT_DIR, TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
+from support import (
+    PROJECT_DIR,
+    TINY,
+    assert_ok,
+    children,
+    kill_and_resume,
+    logged_step,
+    read_summary,
+    run_cli,
+    start_cli,
+    wait_for,
+)
 
 from mingpt.checkpoint import store as snap
 from mingpt.reporting.logs import read_metrics
@@ -54,20 +64,10 @@ def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
     assert "data: encoding" in straight.stdout and "of 4 files of" in straight.stdout
     assert (", bfloat16, " in straight.stdout) == cpu_has_native_bf16()
 
-    job = start_cli([*resume_args(tmp_path / "snaps_b", tmp_path / "run_b", max_steps=100, precision="auto"), *data],
-                    tmp_path, nproc=2, max_restarts=1)
-    wait_for(lambda: logged_step(tmp_path / "run_b") >= 35, timeout=120, what="step 35")
-    workers = child_pids(job.pid)
-    assert len(workers) == 2
-    os.kill(workers[-1], signal.SIGKILL)  # from outside, like the OOM killer or a lost machine
-    assert job.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
-    log = (tmp_path / "launch.log").read_text()
-    assert "resumed from" in log, log[-3000:]
+    # A worker SIGKILLed at step 35; torchrun restarts both, they resume: the weights of the run above.
+    log = kill_and_resume([*resume_args(tmp_path / "snaps_b", tmp_path / "run_b", max_steps=100, precision="auto"),
+                           *data], tmp_path, tmp_path / "run_b", at_step=35, reference=tmp_path / "run_a")
     assert "data: encoding" not in log and log.count("of 4 files of") == 2  # the cache, found at each start
-
-    summary_a = json.loads((tmp_path / "run_a" / "summary.json").read_text())
-    summary_b = json.loads((tmp_path / "run_b" / "summary.json").read_text())
-    assert summary_b["weights_sha256"] == summary_a["weights_sha256"]
     rows_a, rows_b = read_metrics(tmp_path / "run_a"), read_metrics(tmp_path / "run_b")
     assert len([r for r in rows_b if "train_loss" in r]) > len([r for r in rows_a if "train_loss" in r])  # re-run steps
     for key in ("train_loss", "val_loss", "lr"):
@@ -109,7 +109,7 @@ def test_kill_during_a_save_leaves_a_loadable_snapshot(tmp_path):
         temporary = lambda: [n for n in os.listdir(snaps) if ".tmp-" in n] if snaps.exists() else []  # noqa: E731
         wait_for(lambda: logged_step(run_dir) >= 5 * (attempt + 1), timeout=120, what="some steps")
         wait_for(temporary, timeout=60, interval=0.001, what="a save in progress")
-        for pid in child_pids(job.pid):
+        for pid in children(job.pid):
             os.kill(pid, signal.SIGKILL)
         job.wait(timeout=60)
         if temporary():
@@ -165,13 +165,13 @@ def test_sigterm_saves_and_the_same_command_continues(tmp_path):
     again = run_cli([*args, f"trainer_config.max_steps={stopped_at + 5}"], tmp_path, nproc=2)
     assert_ok(again)
     assert f"resumed from {snaps}/{snap.snapshot_name(stopped_at)}" in again.stdout
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == stopped_at + 5
+    assert read_summary(run_dir)["steps"] == stopped_at + 5
 
 
 def test_sigterm_to_one_worker_stops_all_cleanly(tmp_path):
     snaps, run_dir = tmp_path / "snaps", tmp_path / "run"
     job = start_cli(resume_args(snaps, run_dir, max_steps=100000, every=1000), tmp_path, nproc=2)
     wait_for(lambda: logged_step(run_dir) >= 5, timeout=120, what="step 5")
-    os.kill(child_pids(job.pid)[-1], signal.SIGTERM)
+    os.kill(children(job.pid)[-1], signal.SIGTERM)
     assert job.wait(timeout=60) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     assert snap.SnapshotStore(str(snaps)).entries()

@@ -2,14 +2,12 @@
 over HTTP by s3fs in the training processes, and checked with a separate client (boto3)."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from support import PROJECT_DIR, TINY, assert_ok, child_pids, logged_step, run_cli, start_cli, wait_for
+from support import PROJECT_DIR, TINY, assert_ok, kill_and_resume, read_summary, run_cli
 
 from mingpt.checkpoint import store as snap
 
@@ -27,17 +25,13 @@ def keys(s3, bucket: str, prefix: str) -> list[str]:
 def test_train_kill_and_resume_on_s3(tmp_path, s3):
     s3.create_bucket(Bucket="runs")
     run_dir = tmp_path / "run"
-    job = start_cli(args_for("s3://runs/job1/", run_dir, max_steps=120), tmp_path, nproc=2, max_restarts=1)
-    wait_for(lambda: logged_step(run_dir) >= 25, timeout=120, what="step 25")
-    os.kill(child_pids(job.pid)[0], signal.SIGKILL)
-    assert job.wait(timeout=240) == 0, (tmp_path / "launch.log").read_text()[-3000:]
-    log = (tmp_path / "launch.log").read_text()
+    log = kill_and_resume(args_for("s3://runs/job1/", run_dir, max_steps=120), tmp_path, run_dir, at_step=25, victim=0)
     assert "resumed from s3://runs/job1/snapshot-" in log
 
     assert keys(s3, "runs", "job1/") == ["job1/snapshot-000000110.pt", "job1/snapshot-000000120.pt"]
     body = s3.get_object(Bucket="runs", Key="job1/snapshot-000000120.pt")["Body"].read()
     newest = snap.from_bytes(body, "s3 object")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_summary(run_dir)
     assert newest["progress"]["step"] == 120 and newest["weights_sha256"] == summary["weights_sha256"]
 
 

@@ -5,7 +5,6 @@ The interrupted jobs end with the weights of the uninterrupted one."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -13,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import PROJECT_DIR, TINY, free_port, subprocess_env, wait_for
+from support import PROJECT_DIR, TINY, free_port, read_summary, subprocess_env, wait_for
 
 from mingpt.checkpoint import store as snapshot
 
@@ -53,7 +52,7 @@ class Job:
         return self.output.read_text() if self.output.exists() else ""
 
     def summary(self) -> dict:
-        return json.loads((self.run_dir / "summary.json").read_text())
+        return read_summary(self.run_dir)
 
     def wait_until_training(self) -> None:
         wait_for(lambda: "training: steps" in self.log(), 120, 0.2, f"job {self.id} to train")

@@ -1,44 +1,23 @@
-"""The trainer in one process (no process group): steps, accumulation, evaluation, precision, sampling."""
-
-import dataclasses
-import json
+"""The trainer in one process (no process group): steps, accumulation, evaluation, precision, sampling. Trainers
+are built by main.build_trainer (support.make_trainer), as a run builds them."""
 
 import pytest
 import torch
+from support import corpus_text, make_trainer, read_summary
 
 import main
 from char_dataset import CharCorpus, DataConfig
 from mingpt import config
-from mingpt.checkpoint.store import SnapshotStore
-from mingpt.distributed.process_group import DistContext, setup_distributed
+from mingpt.distributed.process_group import setup_distributed
 from mingpt.errors import UsageError
-from mingpt.optim import OptimizerConfig, build_optimizer, learning_rate
 from mingpt.reporting.logs import read_metrics
 from model import GPT, GPTConfig
 from trainer import (
-    Trainer,
-    TrainerConfig,
     resolve_attention,
     resolve_precision,
     seed_dropout,
     validation_loss,
 )
-
-TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(400))
-
-
-def make_trainer(tmp_path=None, dropout=0.0, snapshots=None, **trainer_kwargs) -> Trainer:
-    corpus = CharCorpus.from_text(TEXT, DataConfig(block_size=16))
-    torch.manual_seed(0)
-    gpt_cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, dropout=dropout, vocab_size=len(corpus.vocab), block_size=16)
-    model = GPT(gpt_cfg)
-    metadata = {"model_config": dataclasses.asdict(gpt_cfg), "vocab": corpus.vocab.chars}
-    opt_cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3)
-    cfg = TrainerConfig(**{"mixed_precision": "fp32", "log_every_steps": 5, **trainer_kwargs})
-    return Trainer(cfg, model, build_optimizer(model, opt_cfg),
-                   lambda step, total: learning_rate(step, opt_cfg, total),
-                   corpus.train_dataset(), corpus.val_dataset(), DistContext(), tmp_path,
-                   snapshots=None if snapshots is None else SnapshotStore(str(snapshots)), snapshot_metadata=metadata)
 
 
 def test_fit_writes_metrics_and_loss_falls(tmp_path):
@@ -51,7 +30,7 @@ def test_fit_writes_metrics_and_loss_falls(tmp_path):
     assert [r["step"] for r in val_rows] == [10, 20, 30]
     assert train_rows[-1]["train_loss"] < train_rows[0]["train_loss"] - 0.5
     assert all(r["tokens_per_s"] > 0 and "lr" in r and "epoch" in r for r in train_rows)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = read_summary(tmp_path)
     assert summary["steps"] == 30 and summary["replicas_identical"]
 
 
@@ -212,7 +191,7 @@ def test_a_default_run_on_a_bf16_cpu_records_what_ran(monkeypatch):
     snapshot's model_config says matmul (sample.py rebuilds the model from it), not auto."""
     monkeypatch.setattr("trainer.cpu_has_native_bf16", lambda: True)
     cfg = config.compose_config(["preset=nanogpt_cpu", "gpt_config.n_layer=1", "trainer_config.max_steps=2"])
-    corpus = CharCorpus.from_text(TEXT, DataConfig(block_size=cfg.data_config.block_size))
+    corpus = CharCorpus.from_text(corpus_text(400), DataConfig(block_size=cfg.data_config.block_size))
     trainer = main.build_trainer(cfg, corpus, setup_distributed(), run_dir=None, with_snapshots=False)
     assert trainer.amp_dtype == torch.bfloat16
     assert trainer.checkpoints.metadata["model_config"]["attention"] == "matmul"

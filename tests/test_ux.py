@@ -10,7 +10,7 @@ import termios
 from pathlib import Path
 
 import pytest
-from support import PROJECT_DIR, PYTHON, TINY, assert_ok, cli, run_cli, subprocess_env
+from support import PROJECT_DIR, PYTHON, TINY, CliCase, assert_ok, cli, run_cli, subprocess_env, table
 
 from mingpt.reporting import plot
 from mingpt.reporting.logs import read_metrics
@@ -135,38 +135,40 @@ def test_sample_options(trained, tmp_path):
     assert len(texts) == 2 and all(t.startswith("KING:\n") for t in texts) and texts[0] != texts[1]
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["prompt='Zoë ☃'"], "characters not in the vocabulary: 'ë☃'"),  # Z is there: the whole corpus's vocabulary
-        (["temperature=0"], "temperature must be positive"),
-        (["snapshot=/no/such/folder"], "no snapshot found at /no/such/folder"),
-        (["snapshot=/no/such/snapshot-000000001.pt"], "no such snapshot"),
-        (["max_new_token=5"], "Key 'max_new_token' not in 'SampleConfig'"),
-    ],
+SAMPLE_ERRORS = table(  # sample.py with the trained snapshot: exit code 2 and one line containing `expect`
+    # Z is there: the whole corpus's vocabulary
+    CliCase("prompt outside the vocabulary", ("prompt='Zoë ☃'",), ("characters not in the vocabulary: 'ë☃'",), 2),
+    CliCase("zero temperature", ("temperature=0",), ("temperature must be positive",), 2),
+    CliCase("missing folder", ("snapshot=/no/such/folder",), ("no snapshot found at /no/such/folder",), 2),
+    CliCase("missing snapshot", ("snapshot=/no/such/snapshot-000000001.pt",), ("no such snapshot",), 2),
+    CliCase("misspelled key", ("max_new_token=5",), ("Key 'max_new_token' not in 'SampleConfig'",), 2),
 )
-def test_sample_errors_are_one_line(trained, tmp_path, args, message):
-    result = sample(f"snapshot={trained / 'snaps'}", *args, cwd=tmp_path)
-    assert result.returncode == 2
+
+
+@pytest.mark.parametrize("case", SAMPLE_ERRORS)
+def test_sample_errors_are_one_line(trained, tmp_path, case):
+    result = sample(f"snapshot={trained / 'snaps'}", *case.arguments(tmp_path), cwd=tmp_path)
+    assert result.returncode == case.exit_code
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert len(lines) == 1 and all(text in lines[0] for text in case.expect), result.stderr
 
 
-def test_help_describes_groups_and_fields(tmp_path):
-    result = subprocess.run(cli(["--help"]), capture_output=True, text=True,
-                            timeout=60, cwd=tmp_path)
-    assert result.returncode == 0
-    assert "preset: cpu, nanogpt_cpu" in result.stdout
-    assert "max_epochs" in result.stdout and "passes over the training windows" in result.stdout
-    assert "n_head" in result.stdout and "must divide n_embd" in result.stdout
+READ_ONLY_COMMANDS = table(  # main.py commands that print and exit 0: what they print, and no run directory
+    CliCase("--help describes groups and fields", ("--help",),
+            ("preset: cpu, nanogpt_cpu", "max_epochs", "passes over the training windows", "n_head",
+             "must divide n_embd"), no_run_dir=True),
+    CliCase("--cfg job prints the resolved config", ("preset=cpu", "gpt_config.n_layer=3", "--cfg", "job"),
+            ("trainer_config:", "n_layer: 3", "n_embd: 128"), no_run_dir=True),
+)
 
 
-def test_cfg_job_prints_the_resolved_config(tmp_path):
-    result = subprocess.run(cli(["preset=cpu", "gpt_config.n_layer=3", "--cfg", "job"]), capture_output=True,
-                            text=True, timeout=60, cwd=tmp_path)
-    assert_ok(result)
-    assert "trainer_config:" in result.stdout and "n_layer: 3" in result.stdout and "n_embd: 128" in result.stdout
-    assert not (tmp_path / "outputs").exists()
+@pytest.mark.parametrize("case", READ_ONLY_COMMANDS)
+def test_read_only_commands_print_and_write_nothing(tmp_path, case):
+    result = subprocess.run(cli(case.arguments(tmp_path)), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == case.exit_code, result.stderr[-3000:]
+    assert all(text in result.stdout for text in case.expect), result.stdout[-3000:]
+    if case.no_run_dir:
+        assert not (tmp_path / "outputs").exists()
 
 
 def test_multirun_sweep_gives_each_job_its_own_run_dir_and_snapshots(tmp_path):
