@@ -94,7 +94,7 @@ echo "nodes=$NODES nproc_per_node=$NPROC_PER_NODE head=$HEAD_NODE:$RDZV_PORT sna
 # Restarts: with its default shared store torchrun (torch 2.13) hands the workers the TCPStore of an agent and
 # rebuilds that only in an agent's first round: a node whose agent joins a running job (a lost node's agent
 # started again, or --nnodes=MIN:MAX) makes every agent fail, or leaves the nodes' workers waiting in different
-# stores (README: Several nodes). With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 global rank 0's worker hosts a new
+# stores (docs/multinode.md). With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 global rank 0's worker hosts a new
 # store for each attempt instead. Restarts of the workers (--max-restarts) come back either way: main.py gives
 # every attempt its own namespace in a shared store. srun passes the variable on to every node's torchrun.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1

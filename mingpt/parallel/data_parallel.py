@@ -128,7 +128,7 @@ def compile_model(model: nn.Module, device: torch.device) -> nn.Module:
 
 def shared_memory_reducer(model: nn.Module, enabled: bool, ctx: DistContext) -> Optional[SharedMemoryAllReduce]:
     """Collective. The /dev/shm gradient all-reduce where it applies: CPU ranks that all share one host
-    (about half the time of gloo's TCP all-reduce on one host: README, Benchmarks)."""
+    (about half the time of gloo's TCP all-reduce on one host: benchmarks/bench.md)."""
     if ctx.device.type != "cpu":
         return None
     params = [p for p in model.parameters() if p.requires_grad]
