@@ -44,7 +44,7 @@ class GPTConfig:
 
     The same function either way. "sdpa": torch's fused scaled_dot_product_attention (flash kernels on GPU and
     CPU, memory linear in the context). "matmul": the (T x T) score matrix written out as matmuls and a softmax,
-    which torch.compile fuses; faster on a CPU for short contexts (see README). "auto": the training run picks
+    which torch.compile fuses; faster on a CPU for short contexts (docs/cpu.md). "auto": the training run picks
     (trainer.resolve_attention); a model built with "auto" as it is runs sdpa."""
     vocab_size: Optional[int] = None
     """set from the data; leave null"""

@@ -164,7 +164,7 @@ def resolve_precision(name: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-# Up to which context "auto" writes the scores out (README, the default precision): measured at 64-1,024.
+# Up to which context "auto" writes the scores out (docs/cpu.md, Precision): measured at 64-1,024.
 MATMUL_ATTENTION_MAX_T = 1024  # with dropout: at T=1024 matmul 1.447x nanoGPT, sdpa (its math fallback) 1.235x
 MATMUL_ATTENTION_MAX_T_NO_DROPOUT = 256  # without: torch's flash kernel wins from 512 on (1.33x against 1.09-1.18x)
 

@@ -118,7 +118,7 @@ def checkpoint_activations(block: nn.Module) -> None:
 
 
 def compile_options(device: torch.device) -> dict:
-    # On a CPU, C++ rather than Python calls the generated kernels: a few % of a small step (README, Benchmarks).
+    # On a CPU, C++ rather than Python calls the generated kernels: a few % of a small step (benchmarks/bench.md).
     return {"options": {"cpp_wrapper": True}} if device.type == "cpu" else {}
 
 
