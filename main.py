@@ -49,25 +49,24 @@ from mingpt.distributed.process_group import (
     on_abrupt_exit,
     report_failure,
     setup_distributed,
+    world_size,
 )
 from mingpt.errors import UsageError, describe
 from mingpt.optim import OptimizerConfig, build_optimizer, learning_rate
-from mingpt.parallel.data_parallel import full_model_copy
+from mingpt.parallel.layout import writes_shards
 from mingpt.reporting.logs import setup_logging
 from mingpt.reporting.plot import LossPlotter
 from mingpt.storage.locations import resolve_path
 from model import GPT
 from sample import generate_text, one_core_spared
-from trainer import Trainer, TrainerConfig, resolve_attention, resolve_precision
+from trainer import Trainer, resolve_attention, resolve_precision
 
 log = logging.getLogger("mingpt")
 
 
 # ------------------------------------------------------------------------------------------------------- the job
-def build_trainer(
-    cfg: TrainConfig, corpus: CharCorpus, ctx: DistContext, run_dir: Optional[Path], with_snapshots: bool = True,
-    store: Optional[SnapshotStore] = None,
-) -> Trainer:
+def build_trainer(cfg: TrainConfig, corpus: CharCorpus, ctx: DistContext, run_dir: Optional[Path],
+                  with_snapshots: bool = True, store: Optional[SnapshotStore] = None) -> Trainer:
     """Model, optimizer, schedule, snapshot store and Trainer, as a training run (and benchmarks/bench.py) gets them.
     `store`: the run's snapshot store if it was opened already (`open_snapshot_store`)."""
     block_size = cfg.data_config.block_size
@@ -82,7 +81,7 @@ def build_trainer(
     schedule = functools.partial(_lr_at, opt_cfg=cfg.optimizer_config)
     tc = cfg.trainer_config
     if store is None and with_snapshots:
-        store = open_snapshot_store(tc)
+        store = open_snapshot_store(cfg)
     metadata = {
         "model_config": dataclasses.asdict(gpt_cfg),
         "vocab": corpus.vocab.chars,
@@ -90,14 +89,15 @@ def build_trainer(
         "train_config": redacted(dataclasses.asdict(cfg)),
     }
     return Trainer(tc, model, optimizer, schedule, corpus.train_dataset(), corpus.val_dataset(), ctx, run_dir,
-                   snapshots=store, snapshot_metadata=metadata)
+                   snapshots=store, snapshot_metadata=metadata, parallel_cfg=cfg.parallel_config)
 
 
-def open_snapshot_store(cfg: TrainerConfig) -> SnapshotStore:
+def open_snapshot_store(cfg: TrainConfig) -> SnapshotStore:
     """The run's snapshot store, checked (in seconds) by the ranks that write to it: global rank 0, and every rank
-    under FSDP (each writes its shards)."""
-    store = SnapshotStore(resolve_path(cfg.snapshot_path), cfg.snapshot_storage_options)
-    if global_rank() == 0 or cfg.strategy == "fsdp":
+    of a layout that saves shards (FSDP, tensor and pipeline parallelism)."""
+    tc = cfg.trainer_config
+    store = SnapshotStore(resolve_path(tc.snapshot_path), tc.snapshot_storage_options)
+    if global_rank() == 0 or writes_shards(cfg.parallel_config, tc.strategy, world_size()):
         store.check_writable()
     return store
 
@@ -106,7 +106,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
     """Read the data, join the job, fit, report. Leaves the process group to the caller (see hydra_main)."""
     setup_logging(global_rank(), run_dir)
     # Where the run will write, before anything expensive (reading a large corpus, building the model).
-    store = open_snapshot_store(cfg.trainer_config)
+    store = open_snapshot_store(cfg)
     # Bad data fails here, before any process group. One process per node builds a missing cache: the others wait.
     corpus = CharCorpus.load(cfg.data_config, build=local_rank() == 0)
     check_launch_environment()
@@ -118,7 +118,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
     on_abrupt_exit(trainer.checkpoints.finish_quietly)  # a snapshot being written is finished first
     trainer.fit()
     if trainer.trained_steps and not trainer.stopped_early:
-        model = full_model_copy(trainer.raw_model, lambda: GPT(trainer.raw_model.config), trainer.ctx)  # FSDP: gathered
+        model = trainer.full_model_copy(lambda: GPT(trainer.model_config))  # gathered from shards and stages
         if trainer.ctx.is_main:
             report_results(trainer, model, corpus, run_dir)
 

@@ -72,7 +72,7 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
         self.attention = cfg.attention
         if cfg.attention == "matmul":
@@ -103,10 +103,11 @@ class CausalSelfAttention(nn.Module):
         return self._merge(F.scaled_dot_product_attention(q, k, v, is_causal=x.size(1) > 1))
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of x (B, T, C) in one matmul, each as (B, heads, T, head_dim)."""
-        batch, time, width = x.shape
-        q, k, v = self.c_attn(x).split(width, dim=2)
-        return tuple(t.view(batch, time, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        """q, k, v of x (B, T, C) in one matmul, each as (B, heads, T, head_dim). The heads are counted from the
+        projection's width, not n_head: a tensor-parallel rank's c_attn yields the q, k and v of its own heads."""
+        batch, time, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        return tuple(t.view(batch, time, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
 
     def _merge(self, y: torch.Tensor) -> torch.Tensor:
         """The heads' outputs (B, heads, T, head_dim) back to (B, T, C), through the output projection."""

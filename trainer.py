@@ -41,13 +41,19 @@ from mingpt.parallel.data_parallel import (
     STRATEGIES,
     ModelState,
     OptimizerState,
+    Parallel,
     clip_grad_norm,
-    full_weights_sha256,
     group_of_one,
+    local_tensor,
+    model_from_tensors,
+    parameter_names,
     prime_ddp_buckets,
     sharded_gradient_scaler,
+    weights_sha256_of,
     wrap_model,
 )
+from mingpt.parallel.hybrid import finish_pipeline_gradients, whole_model_tensors, wrap_on_mesh
+from mingpt.parallel.layout import Layout, Mesh, ParallelConfig, resolve_layout
 from mingpt.reporting.logs import PROGRESS_MODES, MetricsLog, Progress, report_end
 from mingpt.storage.locations import check_location
 
@@ -66,7 +72,9 @@ class TrainerConfig:
     max_steps: Optional[int] = None
     """optional cap on optimizer steps; null = no cap"""
     batch_size: int = 64
-    """windows per micro-batch, per process"""
+    """windows per micro-batch, per data-parallel rank
+
+    Per process under plain DDP and FSDP; tensor-parallel peers and pipeline stages of one replica share theirs."""
     grad_accum_steps: int = 1
     """micro-batches per optimizer step (gradients all-reduced on the last one only)"""
     grad_norm_clip: float = 1.0
@@ -254,8 +262,9 @@ def validation_loss(model: nn.Module, loader: DataLoader, max_batches: Optional[
         x, y = split(windows)
         with autocast():
             _, loss = model(x, y)
-        totals[0] += loss.double() * y.numel()
-        totals[1] += y.numel()
+        if loss is not None:  # under pipeline parallelism: on the last stage's ranks only
+            totals[0] += local_tensor(loss).double() * y.numel()
+            totals[1] += y.numel()
         done += 1
     if lockstep is not None:
         passes, filler = lockstep
@@ -289,6 +298,12 @@ def eval_lockstep(val_data: Dataset, cfg: TrainerConfig, world_size: int) -> tup
     if cfg.eval_batches is not None:
         passes = min(passes, cfg.eval_batches)
     return passes, val_data.windows([0] * min(cfg.batch_size, len(val_data)))
+
+
+def strategy_of(layout: Layout, strategy: str) -> str:
+    """What the data-parallel ranks do, as `trainer_config.strategy` names it: fsdp when they shard (on a mesh, or
+    asked for in one process), ddp otherwise."""
+    return "fsdp" if layout.dp_shard > 1 or layout.needs_mesh or strategy == "fsdp" else "ddp"
 
 
 def gradient_scaler(amp_dtype: torch.dtype, strategy: str, ctx: DistContext) -> torch.amp.GradScaler:
@@ -327,10 +342,11 @@ class ScalerState:
 
 class LossWindow:
     """The training losses since the last log line, summed on the device and read once per line. In a snapshot,
-    every rank's partial sum, so that a resumed run logs the averages the uninterrupted one logs."""
+    every rank's partial sum, so that a resumed run logs the averages the uninterrupted one logs. Only `counted`
+    ranks hold losses (under pipeline parallelism, the last stage's); the mean is over those."""
 
-    def __init__(self, ctx: DistContext) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: DistContext, counted: bool = True) -> None:
+        self.ctx, self.counted = ctx, counted
         self.reset(0)
 
     def reset(self, step: int) -> None:
@@ -340,9 +356,10 @@ class LossWindow:
         self.restart_clock(step)  # this process's steps and time since then: the speed
         self.grad_norm: Optional[torch.Tensor] = None
 
-    def add(self, loss: torch.Tensor) -> None:
-        """A micro-batch's loss (on the device: nothing waits for it)."""
-        self.loss_sum += loss
+    def add(self, loss: Optional[torch.Tensor]) -> None:
+        """A micro-batch's loss (on the device: nothing waits for it); None on a rank that computes none."""
+        if loss is not None:
+            self.loss_sum += loss
         self.count += 1
 
     def restart_clock(self, step: int) -> None:
@@ -353,38 +370,47 @@ class LossWindow:
         self.timed_from += seconds
 
     def mean_loss(self) -> float:
-        """Collective. The mean training loss over the window, on all ranks."""
-        value = self.ctx.all_reduce(self.loss_sum / max(1, self.count))
-        if self.ctx.distributed:
-            value /= self.ctx.world_size
-        return value.item()
+        """Collective. The mean training loss over the window, over the counted ranks."""
+        own = torch.stack([self.loss_sum / max(1, self.count), torch.ones((), device=self.ctx.device)])
+        total, ranks = self.ctx.all_reduce(own * float(self.counted))
+        return (total / ranks).item()
 
     def state_dict(self) -> dict:
-        """Collective. Every rank's partial sum."""
-        sums = self.loss_sum.detach().reshape(1).to(torch.float64)
+        """Collective. Every rank's partial sum, and which ranks' sums count."""
+        sums = torch.stack([self.loss_sum.detach().to(torch.float64), torch.tensor(float(self.counted),
+                                                                                   dtype=torch.float64,
+                                                                                   device=self.ctx.device)])
         if self.ctx.distributed:
             gathered = [torch.zeros_like(sums) for _ in range(self.ctx.world_size)]
             dist.all_gather(gathered, sums, group=self.ctx.group)
-            sums = torch.cat(gathered)
-        return {"sums": sums.cpu().tolist(), "count": self.count, "start_step": self.start_step}
+            sums = torch.stack(gathered)
+        sums = sums.reshape(-1, 2).cpu().tolist()
+        return {"sums": [row[0] for row in sums], "counted": [bool(row[1]) for row in sums], "count": self.count,
+                "start_step": self.start_step}
 
     def load_state_dict(self, window: dict) -> None:
-        saved_world_size = len(window["sums"])
         self.start_step, self.count = window["start_step"], window["count"]
-        if saved_world_size == self.ctx.world_size:
+        counted = window.get("counted", [True] * len(window["sums"]))  # older snapshots: every rank counted
+        now = self.ctx.gather_objects(self.counted)
+        if counted == now:
             own = window["sums"][self.ctx.rank]  # each rank continues its own sum: identical arithmetic
-        else:  # rescale so that the all-rank mean over the window stays right
-            own = sum(window["sums"]) * self.ctx.world_size / saved_world_size if self.ctx.is_main else 0.0
+        else:  # another layout: every counted rank takes the mean sum, so that the mean over the window stays right
+            saved = [value for value, kept in zip(window["sums"], counted) if kept]
+            own = sum(saved) / len(saved) if self.counted else 0.0
         self.loss_sum = torch.tensor(own, dtype=torch.float32, device=self.ctx.device)
 
 
-def optimizer_for(model: nn.Module, optimizer: torch.optim.Optimizer | Callable[[nn.Module], torch.optim.Optimizer],
-                  strategy: str) -> torch.optim.Optimizer:
+def optimizer_for(parallel: Parallel, optimizer: torch.optim.Optimizer | Callable[[nn.Module], torch.optim.Optimizer],
+                  strategy: str) -> Any:
     """The optimizer, or one built now from a function of the model: FSDP replaces the parameters with shards,
-    so an optimizer made before wrapping would update parameters that are gone."""
+    so an optimizer made before wrapping would update parameters that are gone. Pipeline stages get one each."""
     if strategy == "fsdp" and not callable(optimizer):
         raise TypeError("under strategy=fsdp the Trainer builds the optimizer: pass a function of the model")
-    return optimizer(model) if callable(optimizer) else optimizer
+    if parallel.pipeline is not None:
+        from mingpt.parallel.pipeline import StageOptimizers
+
+        return StageOptimizers([optimizer(stage) for stage in parallel.modules])
+    return optimizer(parallel.modules[0]) if callable(optimizer) else optimizer
 
 
 def log_resumed(trainer: Trainer, restored: Restored) -> None:
@@ -396,13 +422,91 @@ def log_resumed(trainer: Trainer, restored: Restored) -> None:
     if restored.world_size != t.ctx.world_size:
         log.warning("snapshot was written by %d process(es), resuming with %d: continuing at global sample %d of "
                     "epoch %d", restored.world_size, t.ctx.world_size, t.epoch_samples, t.epoch)
-    if restored.strategy != t.cfg.strategy:
-        log.info("snapshot was trained under strategy=%s: its weights and optimizer state continue under %s",
-                 restored.strategy, t.cfg.strategy)
+    layout = t.parallel.name
+    if restored.layout != layout:
+        log.info("snapshot was trained under %s: its weights and optimizer state continue under %s", restored.layout,
+                 layout)
     attention = t.checkpoints.metadata.get("model_config", {}).get("attention")
     if attention is not None and restored.attention not in (None, "auto", attention):  # same function, other rounding
         log.warning("snapshot was trained with %s attention, this run uses %s (gpt_config.attention): training "
                     "continues, but not bit-for-bit as the snapshot's run would have", restored.attention, attention)
+
+
+def log_train(t: Trainer) -> None:
+    """Collective (the mean loss). The training line and its metrics row, for the steps since the last one."""
+    train_loss = t.window.mean_loss()
+    elapsed = time.perf_counter() - t.window.timed_from
+    steps = t.step - t.window.timed_step
+    tokens_per_s = steps * t.tokens_per_step / elapsed if elapsed > 0 else 0.0
+    row = {"step": t.step, "epoch": t.epoch, "train_loss": round(train_loss, 6), "lr": t._last_lr,
+           "tokens_per_s": round(tokens_per_s, 1), "ms_per_step": round(1000 * elapsed / max(1, steps), 2),
+           "elapsed_s": round(time.perf_counter() - t._fit_start, 2)}  # since this process started fit()
+    if t.window.grad_norm is not None:
+        row["grad_norm"] = round(t.window.grad_norm.item(), 6)
+    if t.scaler.is_enabled():
+        row["loss_scale"] = t.scaler.get_scale()
+    t.metrics.write(row)
+    line = (f"step {t.step}/{t.total_steps} | epoch {t.epoch} | loss {train_loss:.4f} | "
+            f"lr {t._last_lr:.2e} | {tokens_per_s:,.0f} tok/s | {row['ms_per_step']:.1f} ms/step")
+    t.progress.report(line, train_loss, tokens_per_s, t._last_lr)
+    t.window.reset(t.step)
+
+
+def forward_backward(t: Trainer, x: torch.Tensor, y: torch.Tensor, last: bool) -> Optional[torch.Tensor]:
+    """One micro-batch's forward and backward (a pipeline's: all its micro-batches'); its loss, where this rank
+    computes one. Only the last micro-batch of a step synchronises gradients."""
+    with t.parallel.micro_batch(last), t.parallel.loss_context():
+        if t.parallel.pipeline is not None:  # autocast is inside each stage's forward
+            loss = t.parallel.pipeline.step(x, y)
+            return None if loss is None else local_tensor(loss)
+        with t.autocast():
+            _, loss = t.model(x, y)
+        t.scaler.scale(loss / t.cfg.grad_accum_steps).backward()
+    return local_tensor(loss.detach())
+
+
+def distribute(t: Trainer, model: nn.Module, optimizer: torch.optim.Optimizer | Callable, cfg: ParallelConfig) -> None:
+    """Collective. The trainer's model spread over the processes as the layout says, and the optimizer (one per
+    pipeline stage) over what this process holds."""
+    t.model_config = getattr(model, "config", None)  # what a whole copy of the model is built from
+    t._whole_shapes = {name: (value.shape, value.dtype) for name, value in model.state_dict().items()}
+    numbered = parameter_names(optimizer(model), model) if cfg.pp > 1 and callable(optimizer) else None
+    t.parallel = parallelize(model, t.layout, t.strategy, t.cfg, cfg, t.amp_dtype, t.ctx)
+    # Unwrapped (sharded in place under FSDP): what snapshots and the replica check read. A pipeline stage keeps only
+    # its blocks: the whole model is not kept.
+    t.raw_model = model if t.parallel.pipeline is None else None
+    t.eval_model, t.ddp, t.model = t.parallel.eval_model, t.parallel.ddp, t.parallel.model
+    t.optimizer = optimizer_for(t.parallel, optimizer, t.strategy)
+    t._numbered_names = numbered
+
+
+def parallelize(model: nn.Module, layout: Layout, strategy: str, cfg: TrainerConfig, parallel_cfg: ParallelConfig,
+                amp_dtype: torch.dtype, ctx: DistContext) -> Parallel:
+    """Collective. The model spread over the processes as the layout says: on a device mesh, or plain DDP/FSDP."""
+    if layout.needs_mesh:
+        mesh = Mesh.build(layout, ctx.device)
+        return wrap_on_mesh(model, mesh, cfg.activation_checkpointing, cfg.compile, amp_dtype, ctx.device,
+                            parallel_cfg)
+    parallel = wrap_model(model, strategy, cfg.activation_checkpointing, cfg.compile, cfg.shared_memory_allreduce,
+                          amp_dtype, ctx)
+    parallel.mesh, parallel.name = Mesh(layout), strategy
+    return parallel
+
+
+def make_checkpointer(t: Trainer, snapshots: Optional[SnapshotStore], metadata: dict) -> Checkpointer:
+    """The trainer's snapshots: model, optimizer, scaler, progress and loss window, with what they were trained
+    under as this run resolved it."""
+    if metadata:
+        metadata = {**metadata, "strategy": t.strategy, "layout": t.parallel.name}
+    named = t.parallel.sharded_snapshots
+    pp_group = t.parallel.pipeline.pp_group if t.parallel.pipeline is not None else None
+    states = {"model": ModelState(t.parallel.modules, t.parallel.permuted, named),
+              "optimizer": OptimizerState(t.parallel.modules, t.optimizer, t.parallel.permuted, named,
+                                          t._numbered_names, pp_group),
+              "scaler": ScalerState(t.scaler, t.amp_dtype, t.ctx), "progress": t, "loss_window": t.window}
+    cadence = Cadence(t.cfg.save_every, t.cfg.save_every_steps, t.cfg.keep_last)
+    return Checkpointer(snapshots, metadata, cadence, t.ctx, states, sharded=t.parallel.sharded_snapshots,
+                        exit_wait_s=t.cfg.stop_timeout_s)
 
 
 def log_plan(trainer: Trainer) -> None:
@@ -416,7 +520,7 @@ def log_plan(trainer: Trainer) -> None:
         return
     log.info("training: steps %d -> %d (%d per epoch, %d epochs max), %d process(es) on %s, %s, %s, %s tokens per "
              "step", t.step, t.total_steps, t.steps_per_epoch, t.cfg.max_epochs, t.ctx.world_size, t.ctx.device.type,
-             t.cfg.strategy, str(t.amp_dtype).removeprefix("torch."), f"{t.tokens_per_step:,}")
+             t.parallel.name, str(t.amp_dtype).removeprefix("torch."), f"{t.tokens_per_step:,}")
 
 
 class Trainer:
@@ -436,16 +540,15 @@ class Trainer:
         run_dir: Optional[Path] = None,
         snapshots: Optional[SnapshotStore] = None,
         snapshot_metadata: Optional[dict] = None,
+        parallel_cfg: Optional[ParallelConfig] = None,
     ) -> None:
-        ctx = group_of_one(ctx) if cfg.strategy == "fsdp" else ctx  # FSDP needs a group, even of one process
+        self.layout = resolve_layout(parallel_cfg or ParallelConfig(), cfg.strategy, ctx.world_size)
+        self.strategy = strategy_of(self.layout, cfg.strategy)
+        ctx = group_of_one(ctx) if self.strategy == "fsdp" else ctx  # FSDP needs a group, even of one process
         self.cfg, self.ctx, self.lr_schedule = cfg, ctx, lr_schedule
-        self.raw_model = model  # unwrapped (sharded in place under FSDP): what snapshots and the replica check read
         self.amp_dtype = resolve_precision(cfg.mixed_precision, ctx.device)
-        self.scaler = gradient_scaler(self.amp_dtype, cfg.strategy, ctx)
-        self.parallel = wrap_model(model, cfg.strategy, cfg.activation_checkpointing, cfg.compile,
-                                   cfg.shared_memory_allreduce, self.amp_dtype, ctx)
-        self.eval_model, self.ddp, self.model = self.parallel.eval_model, self.parallel.ddp, self.parallel.model
-        self.optimizer = optimizer_for(model, optimizer, cfg.strategy)
+        self.scaler = gradient_scaler(self.amp_dtype, self.strategy, ctx)
+        distribute(self, model, optimizer, parallel_cfg or ParallelConfig())
         self._setup_data(train_data, val_data)
         self.metrics = MetricsLog(run_dir, enabled=ctx.is_main)
         # Progress: everything the position in training depends on, saved in snapshots (`state_dict`).
@@ -457,13 +560,8 @@ class Trainer:
         self._last_eval_step = -1
         self._batches: Optional[Iterator] = None
         self._parameters: Optional[list[nn.Parameter]] = None  # what clipping reads (`_clipped_parameters`)
-        self.window = LossWindow(ctx)
-        self.checkpoints = Checkpointer(
-            snapshots, snapshot_metadata or {}, Cadence(cfg.save_every, cfg.save_every_steps, cfg.keep_last), ctx,
-            {"model": ModelState(model), "optimizer": OptimizerState(model, self.optimizer),
-             "scaler": ScalerState(self.scaler, self.amp_dtype, ctx), "progress": self, "loss_window": self.window},
-            sharded=self.parallel.sharded, exit_wait_s=cfg.stop_timeout_s,
-        )
+        self.window = LossWindow(ctx, counted=self.parallel.pipeline is None or self.parallel.pipeline.has_last_stage)
+        self.checkpoints = make_checkpointer(self, snapshots, snapshot_metadata or {})
         self.stop = StopRequest(ctx.rank, ctx.device, ctx.group, cfg.stop_timeout_s, self.checkpoints.finish_quietly,
                                 carrier=self.parallel.shm_reducer)
         self.progress = Progress("off", False, 0, 0)
@@ -477,21 +575,23 @@ class Trainer:
 
     def _setup_data(self, train_data: Dataset, val_data: Dataset) -> None:
         cfg, ctx = self.cfg, self.ctx
+        # Batches are split over the data-parallel ranks: tensor-parallel peers and pipeline stages share theirs.
+        data_ranks, data_rank = self.layout.dp, self.parallel.mesh.dp_rank if self.layout.needs_mesh else ctx.rank
         self.n_train = len(train_data)
-        self.sampler = ResumableDistributedSampler(len(train_data), ctx.world_size, ctx.rank, cfg.seed)
+        self.sampler = ResumableDistributedSampler(len(train_data), data_ranks, data_rank, cfg.seed)
         self.train_loader = make_loader(train_data, self.sampler, cfg.batch_size, True, cfg, ctx.device)
-        own_val_windows = range(ctx.rank, len(val_data), ctx.world_size)  # disjoint across ranks, no padding
+        own_val_windows = range(data_rank, len(val_data), data_ranks)  # disjoint across replicas, no padding
         # Without gradients a window needs a fraction of the memory: evaluate EVAL_BATCH_FACTOR x larger batches.
         self.val_loader = make_loader(val_data, own_val_windows, cfg.batch_size * EVAL_BATCH_FACTOR, False, cfg,
                                       ctx.device)
-        self._eval_lockstep = eval_lockstep(val_data, cfg, ctx.world_size) if self.parallel.sharded else None
-        self.global_batch = cfg.batch_size * cfg.grad_accum_steps * ctx.world_size  # windows per optimizer step
+        self._eval_lockstep = eval_lockstep(val_data, cfg, data_ranks) if self.parallel.lockstep_eval else None
+        self.global_batch = cfg.batch_size * cfg.grad_accum_steps * data_ranks  # windows per optimizer step
         self.tokens_per_step = self.global_batch * train_data[0][0].numel()
         self.steps_per_epoch = self.n_train // self.global_batch
         if self.steps_per_epoch == 0:
-            raise UsageError(f"an optimizer step needs batch_size x grad_accum_steps x processes = {cfg.batch_size} "
-                             f"x {cfg.grad_accum_steps} x {ctx.world_size} windows, but the training split has only "
-                             f"{self.n_train}")
+            raise UsageError(f"an optimizer step needs batch_size x grad_accum_steps x data-parallel ranks = "
+                             f"{cfg.batch_size} x {cfg.grad_accum_steps} x {data_ranks} windows, but the training "
+                             f"split has only {self.n_train}")
 
     def split(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) on the device from a (B, T+1) batch of windows: one copy (asynchronous when the loader pinned
@@ -501,6 +601,12 @@ class Trainer:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype != torch.float32)
+
+    @contextlib.contextmanager
+    def _evaluation_context(self) -> Iterator[None]:
+        """A validation forward pass: autocast, and the loss over the vocabulary's shards under tensor parallelism."""
+        with self.parallel.loss_context(), self.autocast():
+            yield
 
     def _steps_left_in_epoch(self) -> int:
         return (self.n_train - self.epoch_samples) // self.global_batch
@@ -567,15 +673,13 @@ class Trainer:
         seed_dropout(self.cfg.seed, self.step, self.ctx.rank, self.ctx.device)
         for micro_step in range(self.cfg.grad_accum_steps):
             x, y = self.split(next(self._batches))
-            last = micro_step == self.cfg.grad_accum_steps - 1
-            with self.parallel.micro_batch(last):  # only the last one synchronises gradients
-                with self.autocast():
-                    _, loss = self.model(x, y)
-                self.scaler.scale(loss / self.cfg.grad_accum_steps).backward()
-            self.window.add(loss.detach())
+            self.window.add(forward_backward(self, x, y, last=micro_step == self.cfg.grad_accum_steps - 1))
+        if self.parallel.pipeline is not None:  # the tied embedding's two copies; the mean over accumulated steps
+            finish_pipeline_gradients(self.parallel.pipeline, self.cfg.grad_accum_steps)
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         if self.cfg.grad_norm_clip > 0:
-            self.window.grad_norm = clip_grad_norm(self._clipped_parameters(), self.cfg.grad_norm_clip)
+            self.window.grad_norm = clip_grad_norm(self._clipped_parameters(), self.cfg.grad_norm_clip,
+                                                   self.parallel.pipeline)
         self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -587,7 +691,7 @@ class Trainer:
         """The model's parameters, listed once (model.parameters() walks every module: 50 us a step); under FSDP
         every step, as FSDP swaps the registered parameters around its forward and backward passes."""
         if self._parameters is None or self.parallel.sharded:
-            self._parameters = list(self.raw_model.parameters())
+            self._parameters = [p for module in self.parallel.modules for p in module.parameters()]
         return self._parameters
 
     def epoch_batches(self) -> Iterator[torch.Tensor]:
@@ -603,7 +707,7 @@ class Trainer:
     def _after_step(self) -> None:
         last_step = self.step == self.total_steps
         if self.step % self.cfg.log_every_steps == 0 or last_step:
-            self._log_train()
+            log_train(self)
         if last_step or (self.cfg.eval_every_steps and self.step % self.cfg.eval_every_steps == 0):
             self._evaluate()  # the last step is evaluated before any snapshot of it is written
         finished_epoch = None
@@ -630,30 +734,11 @@ class Trainer:
         self.window.exclude(self.checkpoints.save(self.step, reason))
 
     # ----------------------------------------------------------------------------------------------- reporting
-    def _log_train(self) -> None:
-        train_loss = self.window.mean_loss()
-        elapsed = time.perf_counter() - self.window.timed_from
-        steps = self.step - self.window.timed_step
-        tokens_per_s = steps * self.tokens_per_step / elapsed if elapsed > 0 else 0.0
-        row = {"step": self.step, "epoch": self.epoch, "train_loss": round(train_loss, 6), "lr": self._last_lr,
-               "tokens_per_s": round(tokens_per_s, 1), "ms_per_step": round(1000 * elapsed / max(1, steps), 2),
-               "elapsed_s": round(time.perf_counter() - self._fit_start, 2)}  # since this process started fit()
-        if self.window.grad_norm is not None:
-            row["grad_norm"] = round(self.window.grad_norm.item(), 6)
-        if self.scaler.is_enabled():
-            row["loss_scale"] = self.scaler.get_scale()
-        self.metrics.write(row)
-        line = (f"step {self.step}/{self.total_steps} | epoch {self.epoch} | loss {train_loss:.4f} | "
-                f"lr {self._last_lr:.2e} | {tokens_per_s:,.0f} tok/s | {row['ms_per_step']:.1f} ms/step")
-        self.progress.report(line, train_loss, tokens_per_s, self._last_lr)
-        self.window.reset(self.step)
-
     def _evaluate(self) -> float:
         """Collective. The validation loss, recorded, logged and written as a metrics row."""
         start = time.perf_counter()
         self.last_val_loss = validation_loss(self.eval_model, self.val_loader, self.cfg.eval_batches, self.ctx,
-                                             self.split, self.autocast,
-                                             self._eval_lockstep)
+                                             self.split, self._evaluation_context, self._eval_lockstep)
         self._last_eval_step = self.step
         self.metrics.write({"step": self.step, "epoch": self.epoch, "val_loss": round(self.last_val_loss, 6),
                             "elapsed_s": round(time.perf_counter() - self._fit_start, 2)})
@@ -662,9 +747,14 @@ class Trainer:
         self.window.exclude(time.perf_counter() - start)  # evaluation time does not count against tokens/s
         return self.last_val_loss
 
+    def full_model_copy(self, build: Callable[[], nn.Module]) -> Optional[nn.Module]:
+        """Collective on a mesh and under FSDP. The whole model, unsharded, on global rank 0 (None elsewhere)."""
+        return model_from_tensors(whole_model_tensors(self.parallel, self._whole_shapes), build, self.ctx.is_main,
+                                  whole=None if self.parallel.sharded_snapshots else self.raw_model)
+
     def _finish(self) -> None:
         """Collective. Every rank's weights compared, the last line, and the summary."""
-        digest = full_weights_sha256(self.raw_model)  # over the full tensors, under FSDP too
+        digest = weights_sha256_of(whole_model_tensors(self.parallel, self._whole_shapes))  # canonical, whole
         report_end(self.metrics, digest, self.ctx.gather_objects(digest), steps=self.step, epochs_completed=self.epoch,
                    finished=not self.stopped_early, val_loss=self.last_val_loss,
                    wall_time_s=round(time.perf_counter() - self._fit_start, 2), world_size=self.ctx.world_size)

@@ -322,7 +322,8 @@ def _local_bytes(tensor: torch.Tensor) -> int:
 def state_bytes(trainer: Trainer) -> dict:
     """The training state this rank holds: parameters, gradients (one per parameter element, as during a step;
     its shard under FSDP) and optimizer state (AdamW's two moments and step counts)."""
-    params = [p for p in trainer.raw_model.parameters() if p.requires_grad]
+    held = {id(p): p for module in trainer.parallel.modules for p in module.parameters()}  # its stages, once each
+    params = [p for p in held.values() if p.requires_grad]
     parameters = sum(_local_bytes(p) for p in params)
     gradients = sum(_local_bytes(p) // p.element_size() * 4 for p in params)  # fp32 gradients (reduce dtype)
     optimizer = sum(_local_bytes(value) for state in trainer.optimizer.state.values()
@@ -352,7 +353,9 @@ def summarize(args, cfg, trainer: Trainer, times: list[float], snapshot: Optiona
     ctx = trainer.ctx
     median = statistics.median(times)
     tokens_per_s = trainer.tokens_per_step / median
-    flops_per_token = trainer.raw_model.flops_per_token()
+    with torch.device("meta"):  # the whole model's shape, allocating nothing (a pipeline rank holds some blocks)
+        whole = GPT(trainer.model_config)
+    flops_per_token = whole.flops_per_token()
     peak, peak_source = peak_tflops(args.peak_tflops, ctx.device, trainer.amp_dtype)
     result = {
         "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
@@ -360,11 +363,12 @@ def summarize(args, cfg, trainer: Trainer, times: list[float], snapshot: Optiona
         "threads_per_process": torch.get_num_threads(),
         "precision": str(trainer.amp_dtype).removeprefix("torch."),
         "strategy": cfg.trainer_config.strategy,
+        "layout": trainer.parallel.name,  # the strategy's name, or the degrees on a device mesh ("pp 2 x dp_shard 2")
         "activation_checkpointing": cfg.trainer_config.activation_checkpointing,
         "compile": cfg.trainer_config.compile,
         "attention": cfg.gpt_config.attention,
-        "model": {k: getattr(trainer.raw_model.config, k) for k in ("n_layer", "n_head", "n_embd", "block_size")},
-        "n_params": trainer.raw_model.num_params(),
+        "model": {k: getattr(trainer.model_config, k) for k in ("n_layer", "n_head", "n_embd", "block_size")},
+        "n_params": whole.num_params(),
         "batch_size_per_process": cfg.trainer_config.batch_size,
         "grad_accum_steps": cfg.trainer_config.grad_accum_steps,
         "tokens_per_step": trainer.tokens_per_step,

@@ -1,4 +1,4 @@
-"""The training config: its schema (the four components' dataclasses), composing gpt2_train_cfg.yaml with the
+"""The training config: its schema (the five components' dataclasses), composing gpt2_train_cfg.yaml with the
 command line into validated dataclasses with one-line errors, sweep job names, the `--help` text and masking of
 storage options. Each field's help is the docstring under it in its dataclass: `--help` prints it, and
 gpt2_train_cfg.yaml carries it as the key's comment (tests/test_config.py fails if the two drift apart).
@@ -23,6 +23,7 @@ from mingpt import PROJECT_DIR
 from mingpt.distributed.process_group import global_rank
 from mingpt.errors import UsageError, first_line
 from mingpt.optim import OptimizerConfig
+from mingpt.parallel.layout import ParallelConfig
 from model import GPTConfig
 from trainer import TrainerConfig
 
@@ -37,6 +38,7 @@ class TrainConfig:
     gpt_config: GPTConfig = field(default_factory=GPTConfig)
     optimizer_config: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer_config: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def register() -> None:
@@ -174,7 +176,35 @@ def to_dataclasses(cfg: DictConfig) -> TrainConfig:
     for derived in ("vocab_size", "block_size"):
         if getattr(built["gpt_config"], derived) is not None:
             raise UsageError(f"gpt_config.{derived} is set from the data; leave it null")
+    check_parallel_fits(built["parallel_config"], built["gpt_config"], built["trainer_config"], built["data_config"])
     return TrainConfig(**built)
+
+
+def check_parallel_fits(parallel: ParallelConfig, gpt: GPTConfig, trainer: TrainerConfig, data: DataConfig) -> None:
+    """The layout against the model, the batch and the context, in one line before anything runs."""
+    if gpt.n_head % parallel.tp:
+        raise UsageError(f"parallel_config.tp={parallel.tp} must divide gpt_config.n_head={gpt.n_head} (tensor "
+                         f"parallelism splits the attention heads)")
+    if data.block_size % parallel.tp:
+        raise UsageError(f"parallel_config.tp={parallel.tp} must divide data_config.block_size={data.block_size} "
+                         f"(sequence parallelism splits each window's positions)")
+    if parallel.pp > 1 and parallel.tp > 1:
+        raise UsageError("parallel_config.pp and parallel_config.tp together are not offered yet (no test shows them "
+                         "computing what one process does): combine either with dp_shard or dp_replicate")
+    stages = parallel.pp * parallel.stages_per_rank
+    if parallel.pp_layers is not None and (len(parallel.pp_layers) != stages or sum(parallel.pp_layers) != gpt.n_layer):
+        raise UsageError(f"parallel_config.pp_layers={list(parallel.pp_layers)} must give each of the {stages} "
+                         f"pipeline stages its blocks, {gpt.n_layer} in all (gpt_config.n_layer)")
+    if parallel.pp > 1 and stages > gpt.n_layer + 1:  # the first stage may hold only the embeddings
+        raise UsageError(f"{stages} pipeline stages (parallel_config.pp x pp_stages_per_rank) need at least "
+                         f"{stages - 1} blocks, gpt_config.n_layer={gpt.n_layer}")
+    microbatches = parallel.pp_microbatches or stages
+    if parallel.pp > 1 and trainer.batch_size % microbatches:
+        raise UsageError(f"trainer_config.batch_size={trainer.batch_size} must split into "
+                         f"{microbatches} pipeline micro-batches (parallel_config.pp_microbatches)")
+    if parallel.pp > 1 and trainer.mixed_precision == "fp16":
+        raise UsageError("mixed_precision=fp16 is not offered with pipeline parallelism (its loss scale would have to "
+                         "be agreed across stages): use bf16 or fp32")
 
 
 def redacted(config: dict) -> dict:

@@ -190,14 +190,14 @@ def kill_at_step(job: subprocess.Popen, run_dir: Path, at_step: int, victim: int
 
 
 def kill_and_resume(args: list[str], tmp_path: Path, run_dir: Path, at_step: int, victim: int = -1,
-                    reference: Path | None = None) -> str:
-    """`torchrun --standalone --nproc_per_node=2 --max-restarts=1 main.py ARGS` (its run directory `run_dir`) with a
-    worker SIGKILLed at `at_step` (kill_at_step): torchrun restarts both, they resume from the newest snapshot and
-    finish, exit code 0; with the weights of the `reference` run (one that was not interrupted) if one is given.
-    Returns the job's output."""
-    job = start_cli(args, tmp_path, nproc=2, max_restarts=1)
+                    reference: Path | None = None, nproc: int = 2) -> str:
+    """`torchrun --standalone --nproc_per_node=NPROC --max-restarts=1 main.py ARGS` (its run directory `run_dir`)
+    with a worker SIGKILLed at `at_step` (kill_at_step): torchrun restarts them all, they resume from the newest
+    snapshot and finish, exit code 0; with the weights of the `reference` run (one that was not interrupted) if one
+    is given. Returns the job's output."""
+    job = start_cli(args, tmp_path, nproc=nproc, max_restarts=1)
     try:
-        kill_at_step(job, run_dir, at_step, victim)
+        kill_at_step(job, run_dir, at_step, victim, nproc=nproc)
         code = job.wait(timeout=240)
     finally:
         if job.poll() is None:  # something failed on the way: no job left behind

@@ -38,6 +38,8 @@ SKIPPED = {
     ("README.md", "python prepare.py data_config.path='/data/books/*.txt'"): YOUR_DATA,
     ("README.md", "torchrun --standalone --nproc_per_node=4 --max-restarts=3"): NEEDS_GPU + "; " + NEEDS_S3,
     ("README.md", "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"): SEVERAL_MACHINES,
+    ("README.md", "# on 4 GPUs, then on 8"): NEEDS_GPU,
+    ("docs/parallelism.md", "# one 8-GPU node"): NEEDS_GPU + "; " + SEVERAL_MACHINES,
     ("docs/cpu.md", "torchrun --standalone --nproc_per_node=2 main.py preset=cpu trainer_config.snapshot_path="):
         "the whole 2,000-step quick-start, on two processes (one process alone trains for about half a minute)",
     ("docs/data.md", "python prepare.py data_config.path='/data/books/*.txt'"): YOUR_DATA + "; " + NEEDS_GPU,

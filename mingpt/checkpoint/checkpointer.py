@@ -57,6 +57,7 @@ class Restored:
     world_size: int
     strategy: str  # the strategy it was trained under (older snapshots: ddp)
     attention: Optional[str] = None  # model_config.attention ("auto" in snapshots from before it was resolved)
+    layout: str = ""  # the layout it was trained under ("pp 2 x dp_replicate 2"; the strategy for plain DDP/FSDP)
 
 
 class Checkpointer:
@@ -162,7 +163,7 @@ class Checkpointer:
         self._last_saved_step = entry.step
         strategy = snap.get("strategy", "fsdp" if entry.sharded else "ddp")
         return Restored(url=self.store.url(entry.name), world_size=snap["world_size"], strategy=strategy,
-                        attention=snap["model_config"].get("attention"))
+                        attention=snap["model_config"].get("attention"), layout=snap.get("layout", strategy))
 
     def _load_shards(self, snap: dict) -> None:
         """Collective. A sharded snapshot into the stateful objects: DCP fills what their `named_state_dict()` holds

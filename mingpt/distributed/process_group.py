@@ -54,6 +54,12 @@ def global_rank() -> int:
     return int(rank) if rank.isdigit() else 0  # a RANK that is not a number is reported by check_launch_environment
 
 
+def world_size() -> int:
+    """The number of processes torchrun started (WORLD_SIZE); 1 without torchrun."""
+    size = os.environ.get("WORLD_SIZE", "1")
+    return int(size) if size.isdigit() else 1
+
+
 def local_rank() -> int:
     """This process's place on its node (torchrun's LOCAL_RANK); 0 without torchrun. Per-node work (the data
     cache) is done by local rank 0."""

@@ -19,7 +19,7 @@ import functools
 import hashlib
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -41,24 +41,53 @@ ACTIVATION_CHECKPOINTING = ("none", "blocks")
 @dataclass
 class Parallel:
     """The model as training and evaluation call it. `ddp` is DDP's wrapper (None otherwise); `sharded` is True
-    under FSDP, where every forward pass is a collective. `shm_reducer`: the /dev/shm gradient reduction of every
-    step, where it is used (it also carries the stop flags: stopping.CarriedVote)."""
+    under FSDP (FSDP2 modules, whose registered parameters change around each pass). `shm_reducer`: the /dev/shm
+    gradient reduction of every step, where it is used (it also carries the stop flags: stopping.CarriedVote).
+
+    On a device mesh (tensor parallelism, hybrid sharding): `loss_parallel` when the loss is computed over the
+    vocabulary's shards (forward and backward run inside `loss_context()`); `permuted`, the parameters whose rows a
+    tensor-parallel layout keeps in another order (tensor_parallel.py), by name; `lockstep_eval` when a forward pass
+    is a collective among ranks that read different windows; `sharded_snapshots` when no process holds the whole
+    model, so snapshots are folders of shards."""
 
     eval_model: nn.Module
     model: nn.Module
     ddp: Optional[DDP]
     sharded: bool
     shm_reducer: Optional[SharedMemoryAllReduce] = None
+    loss_parallel: bool = False
+    permuted: dict[str, int] = field(default_factory=dict)
+    lockstep_eval: Optional[bool] = None  # None: as `sharded`
+    sharded_snapshots: Optional[bool] = None  # None: as `sharded`
+    mesh: Any = None  # layout.Mesh: the degrees, the device mesh and this process's place in it
+    name: str = ""  # "pp 2 x dp_replicate 2" on a mesh; the strategy's name for plain DDP and FSDP
+    modules: list[nn.Module] = field(default_factory=list)  # what holds this rank's parameters (its stages)
+    pipeline: Any = None  # pipeline.GPTPipeline under pipeline parallelism
+
+    def __post_init__(self) -> None:
+        self.modules = self.modules or [self.eval_model]
+        self.lockstep_eval = self.sharded if self.lockstep_eval is None else self.lockstep_eval
+        self.sharded_snapshots = self.sharded if self.sharded_snapshots is None else self.sharded_snapshots
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
         """The context of one micro-batch's forward and backward: only the last one of a step synchronises
         gradients (DDP's all-reduce, FSDP's reduce-scatter); the others accumulate them locally."""
+        if self.pipeline is not None:  # the schedule synchronises at its last micro-batch itself
+            return contextlib.nullcontext()
         if self.sharded:
             self.model.set_requires_gradient_sync(last)
             return contextlib.nullcontext()
         if self.ddp is not None and not last:
             return self.ddp.no_sync()
         return contextlib.nullcontext()
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Where the loss is computed and differentiated: over the vocabulary's shards under tensor parallelism."""
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
 
 def wrap_model(model: nn.Module, strategy: str, activation_checkpointing: str, compile: bool,
@@ -105,9 +134,11 @@ def _fully_shard(model: nn.Module, compile: bool, amp_dtype: torch.dtype, ctx: D
     return Parallel(model, model, None, sharded=True)
 
 
-def blocks_of(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks: the unit of sharding and of activation checkpointing."""
-    return model.transformer.h
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: the unit of sharding and of activation checkpointing. A pipeline stage keeps its
+    blocks in a ModuleDict by their index in the whole model (pipeline.py)."""
+    blocks = model.transformer.h
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
 
 
 def checkpoint_activations(block: nn.Module) -> None:
@@ -180,9 +211,11 @@ def sharded_gradient_scaler(device: torch.device, group: Optional[dist.ProcessGr
     return AgreedOverflowScaler(device.type, enabled=True, process_group=group)
 
 
-def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip to a global norm; under FSDP the norm is over all ranks' shards (a collective). Returns the norm before
-    clipping as a plain tensor."""
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float, pipeline: Any = None) -> torch.Tensor:
+    """Clip to a global norm; under FSDP and tensor parallelism the norm is over all ranks' shards, under pipeline
+    parallelism over all stages (collectives). Returns the norm before clipping as a plain tensor."""
+    if pipeline is not None:
+        return pipeline.clip_grad_norm_(max_norm)
     grads = [p.grad for p in parameters if p.grad is not None]
     total = nn.utils.get_total_norm(grads, foreach=True)
     if is_dtensor(total):
@@ -199,6 +232,12 @@ def is_dtensor(value: Any) -> bool:
     return module is not None and isinstance(value, module.DTensor)
 
 
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of a value that every rank holds whole (a loss over the vocabulary's shards is a replicated
+    DTensor)."""
+    return value.to_local() if is_dtensor(value) else value
+
+
 def is_sharded_state(state: Any) -> bool:
     """True if a (nested) state holds DTensors: shards, not full tensors."""
     if is_dtensor(state):
@@ -213,21 +252,29 @@ def is_sharded_model(model: nn.Module) -> bool:
 
 
 class ModelState:
-    """The model in a snapshot: a DDP snapshot holds `model.state_dict()` (full tensors), an FSDP one each rank's
-    shards. `named_state_dict()` is the form this process holds (DTensors under FSDP): what a sharded snapshot
-    loads into."""
+    """The model in a snapshot: a DDP snapshot holds `model.state_dict()` (full tensors), a sharded one each rank's
+    part (DTensor shards under FSDP and tensor parallelism; its stages' tensors under pipeline parallelism), by the
+    whole model's parameter names. `named_state_dict()` is the form this process holds: what a sharded snapshot
+    loads into. `modules`: the modules holding this rank's parameters (one, or its pipeline stages). Snapshots hold
+    every tensor in its canonical order: the rows a tensor-parallel layout keeps `permuted` (name: degree) are put
+    back in order on the way out and permuted again on the way in."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.sharded = is_sharded_model(model)
+    def __init__(self, modules: nn.Module | list[nn.Module], permuted: Optional[dict[str, int]] = None,
+                 named: Optional[bool] = None) -> None:
+        self.modules = modules if isinstance(modules, list) else [modules]
+        self.model, self.permuted = self.modules[0], permuted or {}
+        self.sharded = any(is_sharded_model(module) for module in self.modules) if named is None else named
 
     def state_dict(self) -> dict:
         return self.named_state_dict() if self.sharded else self.model.state_dict()
 
     def named_state_dict(self) -> dict:
+        return canonical_state(self._own_state(), self.permuted)
+
+    def _own_state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(self.model)
+        return {key: value for module in self.modules for key, value in get_model_state_dict(module).items()}
 
     def load_state_dict(self, state: dict) -> None:
         if not self.sharded:
@@ -236,24 +283,68 @@ class ModelState:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full = not is_sharded_state(state)  # a DDP snapshot's full tensors: each rank keeps its shards of them
-        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=full))
+        state = layout_state(state, self.permuted, full, self._own_state)
+        for module in self.modules:  # each takes its own entries (a pipeline stage: its blocks')
+            own = {key: state[key] for key in module.state_dict()}
+            set_model_state_dict(module, own, options=StateDictOptions(full_state_dict=full))
+
+
+def canonical_state(state: dict, permuted: dict[str, int]) -> dict:
+    """Collective under tensor parallelism. A state dict (model, or an optimizer's by name) with its permuted rows
+    in canonical order."""
+    if not permuted:
+        return state
+    from mingpt.parallel.tensor_parallel import to_canonical
+
+    return to_canonical(state, permuted)
+
+
+def layout_state(state: dict, permuted: dict[str, int], full: bool, templates: Callable[[], dict]) -> dict:
+    """Collective under tensor parallelism. The reverse of `canonical_state`: full tensors permuted as they are,
+    shards into the layout of this process's own state (`templates`)."""
+    if not permuted:
+        return state
+    from mingpt.parallel.tensor_parallel import from_canonical
+
+    return from_canonical(state, None if full else templates(), permuted)
 
 
 class OptimizerState:
-    """The optimizer in a snapshot. DDP: the optimizer's own state_dict (parameters numbered); FSDP: keyed by
-    parameter name, each rank's shards. Either loads into either strategy."""
+    """The optimizer in a snapshot. DDP: the optimizer's own state_dict (parameters numbered); sharded layouts: keyed
+    by parameter name, each rank's part, with the parameter groups of the whole model. Any loads into any layout.
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-        self.sharded = is_sharded_model(model)
+    `modules` and `optimizers` pair up (one optimizer per pipeline stage); `numbered_names` are the whole model's
+    parameter names in a one-optimizer numbering, for a DDP snapshot's numbered state (default: the model's own);
+    `group` is where the groups' members are gathered from when no rank holds them all (pipeline stages)."""
+
+    def __init__(self, modules: nn.Module | list[nn.Module], optimizers: Any,
+                 permuted: Optional[dict[str, int]] = None, named: Optional[bool] = None,
+                 numbered_names: Optional[list[str]] = None, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.modules = modules if isinstance(modules, list) else [modules]
+        self.optimizers = getattr(optimizers, "optimizers", [optimizers])
+        self.model, self.optimizer, self.permuted = self.modules[0], self.optimizers[0], permuted or {}
+        self.sharded = any(is_sharded_model(module) for module in self.modules) if named is None else named
+        self.numbered_names, self.group = numbered_names, group
 
     def state_dict(self) -> dict:
         return self.named_state_dict() if self.sharded else self.optimizer.state_dict()
 
     def named_state_dict(self) -> dict:
+        return canonical_state(self._own_state(), self.permuted)
+
+    def _own_state(self) -> dict:
+        """Collective with a `group`. This rank's state by name; every group lists the whole model's members."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        parts = [get_optimizer_state_dict(module, optimizer)
+                 for module, optimizer in zip(self.modules, self.optimizers)]
+        state = {name: value for part in parts for name, value in part["state"].items()}
+        groups = [[part["param_groups"][i] for part in parts]  # the i-th group of each optimizer
+                  for i in range(len(parts[0]["param_groups"]))]
+        if self.group is not None:
+            groups = [[g for rank_groups in gathered for g in rank_groups]
+                      for gathered in zip(*_all_gather_objects(groups, self.group))]
+        return {"state": state, "param_groups": [merged_group(parts) for parts in groups]}
 
     def load_state_dict(self, state: dict) -> None:
         numbered = any(isinstance(p, int) for group in state["param_groups"] for p in group["params"])
@@ -261,12 +352,37 @@ class OptimizerState:
             self.optimizer.load_state_dict(state)
             return
         if numbered:
-            state = named_optimizer_state(state, parameter_names(self.optimizer, self.model))
+            names = self.numbered_names or parameter_names(self.optimizer, self.model)
+            state = named_optimizer_state(state, names)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         full = not is_sharded_state(state)
-        set_optimizer_state_dict(self.model, self.optimizer, state,
-                                 options=StateDictOptions(full_state_dict=full and self.sharded))
+        state = layout_state(state, self.permuted, full and self.sharded, self._own_state)
+        options = StateDictOptions(full_state_dict=full and self.sharded)
+        for module, optimizer in zip(self.modules, self.optimizers):
+            set_optimizer_state_dict(module, optimizer, own_optimizer_state(state, module), options=options)
+
+
+def merged_group(groups: list[dict]) -> dict:
+    """One parameter group of the whole model from the same group of several optimizers: their settings (the
+    same), their members together."""
+    return {**groups[0], "params": [name for group in groups for name in group["params"]]}
+
+
+def own_optimizer_state(state: dict, module: nn.Module) -> dict:
+    """The entries of a by-name optimizer state that concern `module`'s parameters (a pipeline stage's)."""
+    names = {name for name, _ in module.named_parameters()}
+    if all(name in names for group in state["param_groups"] for name in group["params"]):
+        return state
+    return {"state": {name: value for name, value in state["state"].items() if name in names},
+            "param_groups": [{**group, "params": [name for name in group["params"] if name in names]}
+                             for group in state["param_groups"]]}
+
+
+def _all_gather_objects(value: Any, group: dist.ProcessGroup) -> list:
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
 
 
 def parameter_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
@@ -298,32 +414,41 @@ def numbered_optimizer_state(state: dict) -> dict:
     }
 
 
-def full_tensors(state: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective under FSDP. (name, full tensor) in sorted name order, one tensor gathered at a time."""
+def full_tensors(state: dict, permuted: Optional[dict[str, int]] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective under FSDP and tensor parallelism. (name, full tensor in canonical order) in sorted name order, one
+    tensor gathered at a time."""
+    permuted = permuted or {}
     for name in sorted(state):
         value = state[name]
-        yield name, value.full_tensor() if is_dtensor(value) else value
+        full = value.full_tensor() if is_dtensor(value) else value
+        if name in permuted:
+            from mingpt.parallel.tensor_parallel import canonical_full
+
+            full = canonical_full(full, permuted[name])
+        yield name, full
 
 
-def full_weights_sha256(model: nn.Module) -> str:
-    """Collective under FSDP. snapshot.weights_sha256 of the model's full tensors, without holding them all."""
+def weights_sha256_of(tensors: Iterator[tuple[str, torch.Tensor]]) -> str:
+    """snapshot.weights_sha256 of (name, full tensor) in sorted name order, one at a time (`full_tensors`)."""
     digest = hashlib.sha256()
-    for _, tensor in full_tensors(model.state_dict()):
+    for _, tensor in tensors:
         flat = tensor.detach().cpu().contiguous().reshape(-1)
         digest.update(memoryview(flat.view(torch.uint8).numpy()))
     return digest.hexdigest()
 
 
-def full_model_copy(model: nn.Module, build: Callable[[], nn.Module], ctx: DistContext) -> Optional[nn.Module]:
-    """Collective under FSDP. An unsharded copy of the model on global rank 0's CPU (None on the others), for what
-    one process does alone (generating a sample). Without sharding, the model itself."""
-    if not is_sharded_model(model):
-        return model
+def model_from_tensors(tensors: Iterator[tuple[str, torch.Tensor]], build: Callable[[], nn.Module], is_main: bool,
+                       whole: Optional[nn.Module] = None) -> Optional[nn.Module]:
+    """Collective when `tensors` is. An unsharded copy of the model on global rank 0's CPU (None on the others), for
+    what one process does alone (generating a sample), from (name, full tensor) in order. `whole`: a model every
+    rank holds whole (DDP), returned as it is."""
+    if whole is not None:
+        return whole
     state = {}
-    for name, tensor in full_tensors(model.state_dict()):
-        if ctx.is_main:  # the others take part in the gathers and keep nothing
+    for name, tensor in tensors:
+        if is_main:  # the others take part in the gathers and keep nothing
             state[name] = tensor.cpu()
-    if not ctx.is_main:
+    if not is_main:
         return None
     copy = build()
     copy.load_state_dict(state)
