@@ -497,7 +497,7 @@ def make_checkpointer(t: Trainer, snapshots: Optional[SnapshotStore], metadata: 
     """The trainer's snapshots: model, optimizer, scaler, progress and loss window, with what they were trained
     under as this run resolved it."""
     if metadata:
-        metadata = {**metadata, "strategy": t.strategy, "layout": t.parallel.name}
+        metadata = {**metadata, "strategy": t.cfg.strategy, "layout": t.parallel.name}
     named = t.parallel.sharded_snapshots
     pp_group = t.parallel.pipeline.pp_group if t.parallel.pipeline is not None else None
     states = {"model": ModelState(t.parallel.modules, t.parallel.permuted, named),

@@ -188,9 +188,6 @@ def check_parallel_fits(parallel: ParallelConfig, gpt: GPTConfig, trainer: Train
     if data.block_size % parallel.tp:
         raise UsageError(f"parallel_config.tp={parallel.tp} must divide data_config.block_size={data.block_size} "
                          f"(sequence parallelism splits each window's positions)")
-    if parallel.pp > 1 and parallel.tp > 1:
-        raise UsageError("parallel_config.pp and parallel_config.tp together are not offered yet (no test shows them "
-                         "computing what one process does): combine either with dp_shard or dp_replicate")
     stages = parallel.pp * parallel.stages_per_rank
     if parallel.pp_layers is not None and (len(parallel.pp_layers) != stages or sum(parallel.pp_layers) != gpt.n_layer):
         raise UsageError(f"parallel_config.pp_layers={list(parallel.pp_layers)} must give each of the {stages} "

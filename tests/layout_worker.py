@@ -8,7 +8,8 @@ For each LAYOUT (a name in LAYOUTS: its parallel_config and strategy):
    the same global batches (a trainer of its own in every process, no group); the largest difference is reported;
 2. exact resume: the step-6 snapshot deleted, a new trainer resumes from step 3 and must end with the same digest;
 3. across layouts: the step-6 snapshot loaded by a trainer of the NEXT layout in the list must hold the same
-   weights (digest after restoring), and that trainer takes a step from it.
+   weights (digest after restoring), and that trainer takes a step from it; read alone, as snapshot.py and sample.py
+   read it, it has the same digest too.
 Global rank 0 writes OUT_DIR/result.json after each layout.
 """
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 import main
 from char_dataset import CharCorpus, DataConfig
-from mingpt.checkpoint.store import SnapshotStore
+from mingpt.checkpoint.store import SnapshotStore, read_snapshot, summary
 from mingpt.config import TrainConfig
 from mingpt.distributed.process_group import DistContext, setup_distributed
 from mingpt.optim import OptimizerConfig
@@ -53,6 +54,7 @@ LAYOUTS = {
     "pp_dp": ("ddp", {"pp": 2}),
     "pp_fsdp": ("fsdp", {"pp": 2, "pp_schedule": "GPipe"}),
     "pp_fsdp_interleaved": ("fsdp", {"pp": 2, "pp_schedule": "Interleaved1F1B"}),
+    "pp_tp": ("ddp", {"pp": 2, "tp": 2}),
     "hsdp": ("fsdp", {"dp_replicate": 2}),
     "pp4": ("ddp", {"pp": 4}),
     "tp4": ("ddp", {"tp": 4}),
@@ -106,12 +108,14 @@ def check(name: str, following: str, ctx: DistContext, out: Path) -> dict:
     resumed = build(name, ctx, folder / "snapshots")
     resumed.fit()
     resume_exact = digest(resumed) == end
+    newest = sorted((folder / "snapshots").iterdir())[-1]  # what snapshot.py info and consolidate read, alone
+    tools_exact = summary(read_snapshot(str(newest)))["weights_sha256"] == end if ctx.is_main else True
     loader = build(following, ctx, folder / "snapshots")  # its newest snapshot: the resumed run's step 6
     restored = loader.checkpoints.restore()
     cross_exact = restored is not None and loader.step == STEPS and digest(loader) == end
     loader.train_step()
     return {"max_difference": max(differences.values()), "worst": max(differences, key=differences.get),
-            "resume_exact": resume_exact, "next": following, "cross_exact": cross_exact,
+            "resume_exact": resume_exact, "next": following, "cross_exact": cross_exact, "tools_exact": tools_exact,
             "layout": trained.parallel.name}
 
 

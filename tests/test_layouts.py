@@ -22,6 +22,7 @@ from support import (
     CliCase,
     assert_ok,
     assert_one_error_line,
+    cli,
     kill_and_resume,
     read_summary,
     run_cli,
@@ -30,11 +31,14 @@ from support import (
 )
 
 from mingpt import compat
+from mingpt.checkpoint import store as snap
+from mingpt.errors import UsageError
+from mingpt.parallel.layout import Layout, ParallelConfig, resolve_layout
 
 pytestmark = pytest.mark.skipif(compat.TORCH < compat.CPU_FSDP_TORCH, reason="mesh layouts on a CPU need torch 2.7")
 TOLERANCE = 1e-4
 TWO = ("tp", "pp", "pp_gpipe", "pp_interleaved", "fsdp")
-FOUR = ("fsdp_tp", "dp_tp", "pp_dp", "pp_fsdp", "pp_fsdp_interleaved", "hsdp", "pp4", "tp4")
+FOUR = ("fsdp_tp", "dp_tp", "pp_dp", "pp_fsdp", "pp_fsdp_interleaved", "pp_tp", "hsdp", "pp4", "tp4")
 
 
 def launch(tmp_path_factory, nproc: int, layouts: tuple[str, ...]) -> dict:
@@ -63,6 +67,7 @@ def check_layout(run: dict, name: str) -> None:
     assert result["max_difference"] < TOLERANCE, result  # the weights of one process
     assert result["resume_exact"], result  # resumed from step 3: bit for bit
     assert result["cross_exact"], result  # loaded by the next layout: bit for bit
+    assert result["tools_exact"], result  # read by one process, as snapshot.py and sample.py read it
 
 
 @pytest.mark.parametrize("name", TWO)
@@ -94,6 +99,15 @@ def test_the_surveys_hybrid_example_survives_a_kill_and_resumes_on_other_layouts
     kill_and_resume(hybrid_args(tmp_path / "snaps_b", tmp_path / "run_b"), tmp_path, tmp_path / "run_b", at_step=9,
                     reference=tmp_path / "run_a", nproc=4)
 
+    # The snapshot tools read its shards: the digest the run reported, the layout it ran under, a sample.
+    info = snap.summary(snap.read_snapshot(str(tmp_path / "snaps_a" / "snapshot-000000016.dcp")))
+    assert info["weights_sha256"] == read_summary(tmp_path / "run_a")["weights_sha256"]
+    assert info["layout"] == "pp 2 x dp_replicate 2" and info["world_size"] == 4
+    sample = subprocess.run(cli([f"snapshot={tmp_path / 'snaps_a' / 'snapshot-000000016.dcp'}", "max_new_tokens=20"],
+                                script="sample.py"), cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True,
+                            text=True, timeout=120)
+    assert_ok(sample)
+
     # Its step-12 snapshot resumed by one process and by FSDP on two, at the same global sample.
     folder = tmp_path / "snaps_a" / "snapshot-000000012.dcp"
     for nproc, more in ((None, ("parallel_config.pp=1",)), (2, ("trainer_config.strategy=fsdp",))):
@@ -118,8 +132,6 @@ REFUSALS = table(
             ("not offered with pipeline parallelism",), exit_code=2, no_run_dir=True),
     CliCase("zero-bubble", ("parallel_config.pp=2", "parallel_config.pp_schedule=ZBVZeroBubble"),
             ("trains wrong without an error",), exit_code=2, no_run_dir=True),
-    CliCase("pipeline-and-tensor", ("parallel_config.pp=2", "parallel_config.tp=2"), ("not offered yet",),
-            exit_code=2, no_run_dir=True),
     CliCase("degrees-not-the-world", ("parallel_config.tp=2",), ("1 process(es) cannot be split as tp 2",),
             exit_code=2),
 )
@@ -134,3 +146,16 @@ def test_refused_layouts_say_so_in_one_line(case, tmp_path):
         assert text in line, line
     if case.no_run_dir:
         assert not (tmp_path / "outputs").exists()
+
+
+def test_the_degrees_take_the_rest_and_untested_products_are_refused():
+    assert resolve_layout(ParallelConfig(pp=2), "ddp", 4) == Layout(pp=2, dp_replicate=2)
+    assert resolve_layout(ParallelConfig(tp=2), "fsdp", 8) == Layout(dp_shard=4, tp=2)
+    assert resolve_layout(ParallelConfig(dp_replicate=2), "fsdp", 8) == Layout(dp_replicate=2, dp_shard=4)
+    assert resolve_layout(ParallelConfig(dp_shard=2), "ddp", 8) == Layout(dp_replicate=4, dp_shard=2)
+    assert resolve_layout(ParallelConfig(), "ddp", 4).needs_mesh is False
+    for cfg, world in ((ParallelConfig(tp=3), 4), (ParallelConfig(pp=2, tp=2), 8),
+                       (ParallelConfig(dp_replicate=2, dp_shard=2), 8)):
+        with pytest.raises(UsageError) as error:
+            resolve_layout(cfg, "ddp", world)
+        assert "\n" not in str(error.value)

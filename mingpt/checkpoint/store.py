@@ -669,6 +669,7 @@ def summary(snapshot: dict) -> dict:
         "format_version": snapshot["format_version"],
         "format": "sharded" if "shards" in snapshot else "file",
         "strategy": snapshot.get("strategy", "ddp"),
+        "layout": snapshot.get("layout", snapshot.get("strategy", "ddp")),  # "pp 2 x dp_replicate 2" on a mesh
         "epoch": progress["epoch"],
         "step": progress["step"],
         "epoch_samples": progress["epoch_samples"],

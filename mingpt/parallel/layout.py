@@ -132,7 +132,11 @@ def resolve_layout(cfg: ParallelConfig, strategy: str, world_size: int) -> Layou
     elif rest != 1:
         raise UsageError(f"{world_size} processes cannot be split as {_given(cfg)}: the degrees multiply to "
                          f"{fixed}; leave parallel_config.dp_replicate or dp_shard null to take the rest")
-    return Layout(pp=cfg.pp, dp_replicate=replicate, dp_shard=shard, tp=cfg.tp)
+    layout = Layout(pp=cfg.pp, dp_replicate=replicate, dp_shard=shard, tp=cfg.tp)
+    if layout.pp > 1 and layout.tp > 1 and layout.dp > 1:
+        raise UsageError(f"{layout.describe()} is not offered yet: pipeline and tensor parallelism are tested "
+                         f"together and each with data parallelism, not all three at once (8+ processes)")
+    return layout
 
 
 def writes_shards(cfg: ParallelConfig, strategy: str, world_size: int) -> bool:

@@ -301,6 +301,10 @@ class GPTPipeline:
             return
         if param.grad is None:  # no backward reached it: contribute nothing, but still meet the peer
             param.grad = torch.zeros_like(param)
+        if _is_dtensor(param.grad) and param.grad.placements != param.placements:
+            # Under tensor parallelism the first stage's embedding gradient comes back whole (Replicate) while the
+            # head's is split over the vocabulary like the weight: the same split on both sides before summing.
+            param.grad = param.grad.redistribute(param.device_mesh, param.placements)
         dist.all_reduce(_local(param.grad), group=self.tie_group)  # a DTensor's shard: peers hold the same shard
 
     @torch.no_grad()
