@@ -490,6 +490,7 @@ def parallelize(model: nn.Module, layout: Layout, strategy: str, cfg: TrainerCon
     parallel = wrap_model(model, strategy, cfg.activation_checkpointing, cfg.compile, cfg.shared_memory_allreduce,
                           amp_dtype, ctx)
     parallel.mesh, parallel.name = Mesh(layout), strategy
+    parallel.modules = [model]  # the unwrapped model (not DDP's or torch.compile's wrapper): what snapshots read
     return parallel
 
 

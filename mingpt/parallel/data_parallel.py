@@ -61,7 +61,7 @@ class Parallel:
     sharded_snapshots: Optional[bool] = None  # None: as `sharded`
     mesh: Any = None  # layout.Mesh: the degrees, the device mesh and this process's place in it
     name: str = ""  # "pp 2 x dp_replicate 2" on a mesh; the strategy's name for plain DDP and FSDP
-    modules: list[nn.Module] = field(default_factory=list)  # what holds this rank's parameters (its stages)
+    modules: list[nn.Module] = field(default_factory=list)  # the unwrapped modules of this rank's parameters
     pipeline: Any = None  # pipeline.GPTPipeline under pipeline parallelism
 
     def __post_init__(self) -> None:
