@@ -326,9 +326,8 @@ CASES: dict[str, Case] = {
     "environment: world size does not divide the work": Case(
         ["data_config.path={d}/small.txt", "data_config.truncate=1.0", "trainer_config.batch_size=200"],
         prepare=lambda d, s: write(d, "small.txt", SHAKESPEARE[:400].encode()),
-        error=r"an optimizer step needs batch_size x grad_accum_steps x processes = 200 x 1 x 2 windows, but the "
-        r"training "
-        r"split has only 328", tool="torchrun"),
+        error=r"an optimizer step needs batch_size x grad_accum_steps x data-parallel ranks = 200 x 1 x 2 windows, "
+        r"but the training split has only 328", tool="torchrun"),
     "environment: a misspelled key under torchrun (every rank sees it; printed once)": Case(
         ["trainer_config.max_step=3"], r"Key 'max_step' not in 'TrainerConfig'", tool="torchrun"),
     "environment: a missing data file under torchrun (printed once)": Case(
