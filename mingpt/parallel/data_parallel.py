@@ -85,9 +85,9 @@ class Parallel:
         """Where the loss is computed and differentiated: over the vocabulary's shards under tensor parallelism."""
         if not self.loss_parallel:
             return contextlib.nullcontext()
-        from torch.distributed.tensor.parallel import loss_parallel
+        from mingpt.parallel.tensor_parallel import loss_parallel_context
 
-        return loss_parallel()
+        return loss_parallel_context(True)
 
 
 def wrap_model(model: nn.Module, strategy: str, activation_checkpointing: str, compile: bool,

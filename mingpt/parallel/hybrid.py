@@ -25,7 +25,7 @@ from mingpt.parallel.data_parallel import (
     checkpoint_activations,
     compile_options,
     full_tensors,
-    is_dtensor,
+    local_tensor,
 )
 from mingpt.parallel.layout import Mesh, ParallelConfig
 
@@ -164,7 +164,7 @@ def whole_model_tensors(parallel: Parallel, shapes: dict[str, tuple[torch.Size, 
 
 def _device_of(state: dict) -> torch.device:
     value = next(iter(state.values()))
-    return value.to_local().device if is_dtensor(value) else value.device
+    return local_tensor(value).device
 
 
 def finish_pipeline_gradients(pipeline: Any, accumulated_steps: int) -> None:

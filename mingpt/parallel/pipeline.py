@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from mingpt.compat import TORCH, require_torch
 from mingpt.errors import UsageError
+from mingpt.parallel.data_parallel import is_dtensor, local_tensor
 
 PIPELINE_TORCH = (2, 7)  # scale_grads (mean over micro-batches) arrives in 2.7; FSDP2 on a CPU needs 2.7 too
 GLOO_1F1B_TORCH = (2, 8)  # 2.7's _batch_p2p waits on batch_isend_irecv(...).pop() only: gloo deadlocks
@@ -301,11 +302,11 @@ class GPTPipeline:
             return
         if param.grad is None:  # no backward reached it: contribute nothing, but still meet the peer
             param.grad = torch.zeros_like(param)
-        if _is_dtensor(param.grad) and param.grad.placements != param.placements:
+        if is_dtensor(param.grad) and param.grad.placements != param.placements:
             # Under tensor parallelism the first stage's embedding gradient comes back whole (Replicate) while the
             # head's is split over the vocabulary like the weight: the same split on both sides before summing.
             param.grad = param.grad.redistribute(param.device_mesh, param.placements)
-        dist.all_reduce(_local(param.grad), group=self.tie_group)  # a DTensor's shard: peers hold the same shard
+        dist.all_reduce(local_tensor(param.grad), group=self.tie_group)  # a DTensor's shard: peers hold the same shard
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -316,7 +317,7 @@ class GPTPipeline:
         second_copy = self.tied_parameter() if not self.has_first_stage else None
         grads = [p.grad for p in params if p.grad is not None and p is not second_copy]
         norm = nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self._device())
-        if _is_dtensor(norm):
+        if is_dtensor(norm):
             norm = norm.full_tensor()  # the shards' partial norms over the data-parallel mesh, combined
         squared = norm.float() ** 2
         dist.all_reduce(squared, group=self.pp_group)  # each stage's share of the squared norm
@@ -338,20 +339,6 @@ def _anywhere(flag: bool, group: Any, device: torch.device) -> bool:
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what a hidden state may be sent as
-
-
-def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a view: writing it writes the DTensor), or the tensor itself."""
-    return tensor.to_local() if _is_dtensor(tensor) else tensor
-
-
-# ------------------------------------------------------------------------------------------------------- building
 
 
 def build_pipeline(gpt: nn.Module, mesh: Any, device: torch.device, schedule: str = "1F1B",
