@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from mingpt.compat import TORCH, require_torch
 from mingpt.errors import UsageError
 from mingpt.parallel.data_parallel import is_dtensor, local_tensor
+from model import GPT
 
 PIPELINE_TORCH = (2, 7)  # scale_grads (mean over micro-batches) arrives in 2.7; FSDP2 on a CPU needs 2.7 too
 GLOO_1F1B_TORCH = (2, 8)  # 2.7's _batch_p2p waits on batch_isend_irecv(...).pop() only: gloo deadlocks
@@ -132,11 +133,7 @@ class GPTStage(nn.Module):
             x = self.lm_head(self.transformer.ln_f(x))
         return x
 
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        """AdamW groups as GPT.param_groups: decay the matrices, not biases or LayerNorm gains."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    param_groups = GPT.param_groups  # AdamW's groups over this stage's parameters, by the whole model's rule
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
