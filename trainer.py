@@ -36,6 +36,7 @@ from mingpt.compat import cpu_has_native_bf16
 from mingpt.distributed.process_group import DistContext
 from mingpt.distributed.stopping import StopRequest
 from mingpt.errors import UsageError
+from mingpt.optim import Optimizers, as_optimizers
 from mingpt.parallel.data_parallel import (
     ACTIVATION_CHECKPOINTING,
     STRATEGIES,
@@ -400,17 +401,15 @@ class LossWindow:
         self.loss_sum = torch.tensor(own, dtype=torch.float32, device=self.ctx.device)
 
 
-def optimizer_for(parallel: Parallel, optimizer: torch.optim.Optimizer | Callable[[nn.Module], torch.optim.Optimizer],
-                  strategy: str) -> Any:
-    """The optimizer, or one built now from a function of the model: FSDP replaces the parameters with shards,
-    so an optimizer made before wrapping would update parameters that are gone. Pipeline stages get one each."""
+def optimizer_for(parallel: Parallel, optimizer: Any, strategy: str) -> Optimizers:
+    """The run's optimizers, or ones built now from a function of a module (returning an optimizer or an
+    `Optimizers`): FSDP replaces the parameters with shards, so an optimizer made before wrapping would update
+    parameters that are gone. Pipeline stages get theirs each."""
     if strategy == "fsdp" and not callable(optimizer):
         raise TypeError("under strategy=fsdp the Trainer builds the optimizer: pass a function of the model")
-    if parallel.pipeline is not None:
-        from mingpt.parallel.pipeline import StageOptimizers
-
-        return StageOptimizers([optimizer(stage) for stage in parallel.modules])
-    return optimizer(parallel.modules[0]) if callable(optimizer) else optimizer
+    if not callable(optimizer):
+        return as_optimizers(optimizer, parallel.modules[0])
+    return Optimizers.merged(as_optimizers(optimizer(module), module) for module in parallel.modules)
 
 
 def log_resumed(trainer: Trainer, restored: Restored) -> None:
@@ -533,8 +532,8 @@ class Trainer:
         self,
         cfg: TrainerConfig,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | Callable[[nn.Module], torch.optim.Optimizer],
-        lr_schedule: Callable[[int, int], float],
+        optimizer: torch.optim.Optimizer | Optimizers | Callable[[nn.Module], torch.optim.Optimizer | Optimizers],
+        lr_schedule: Callable[[int, int], float],  # (step, total steps) -> fraction of each group's peak rate
         train_data: Dataset,
         val_data: Dataset,
         ctx: DistContext,
@@ -668,25 +667,23 @@ class Trainer:
         """One optimizer step on the next batches of the epoch (bench.py times exactly this)."""
         if self._batches is None:
             self._batches = self.epoch_batches()
-        lr = self.lr_schedule(self.step, self.total_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.optimizer.schedule(self.step, self.lr_schedule(self.step, self.total_steps))
         seed_dropout(self.cfg.seed, self.step, self.ctx.rank, self.ctx.device)
         for micro_step in range(self.cfg.grad_accum_steps):
             x, y = self.split(next(self._batches))
             self.window.add(forward_backward(self, x, y, last=micro_step == self.cfg.grad_accum_steps - 1))
         if self.parallel.pipeline is not None:  # the tied embedding's two copies; the mean over accumulated steps
             finish_pipeline_gradients(self.parallel.pipeline, self.cfg.grad_accum_steps)
-        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+        self.optimizer.unscale(self.scaler)  # clip the true gradients, not the scaled ones
         if self.cfg.grad_norm_clip > 0:
             self.window.grad_norm = clip_grad_norm(self._clipped_parameters(), self.cfg.grad_norm_clip,
                                                    self.parallel.pipeline)
-        self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
+        self.optimizer.step(self.scaler)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.epoch_samples += self.global_batch
-        self._last_lr = lr
+        self._last_lr = self.optimizer.param_groups[0]["lr"]  # the first group's: AdamW's, as it was scheduled
 
     def _clipped_parameters(self) -> list[nn.Parameter]:
         """The model's parameters, listed once (model.parameters() walks every module: 50 us a step); under FSDP

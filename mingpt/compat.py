@@ -24,6 +24,7 @@ from mingpt.errors import UsageError
 OLDEST_TORCH = (2, 6)  # the oldest release CI runs (.ci/run's second leg)
 NEWEST_TORCH = (2, 15)  # the newest release the package index served when the range was last checked
 CPU_FSDP_TORCH = (2, 7)  # strategy=fsdp on a CPU: torch 2.6's FSDP2 records events on CPU streams, which lack them
+MUON_TORCH = (2, 9)  # torch.optim.Muon's first release
 
 
 def version_tuple(version: str) -> tuple[int, int]:
@@ -53,6 +54,13 @@ def require_torch(version: tuple[int, int], feature: str) -> None:
     """Refuse `feature` in one line when the running torch is older than `version`."""
     if TORCH < version:
         raise UsageError(f"{feature} needs torch {_named(version)} or newer; this is torch {torch.__version__}")
+
+
+def check_muon_available() -> None:
+    """optimizer_config.name=muon uses torch's own Muon: refused in one line where this torch has none."""
+    require_torch(MUON_TORCH, "optimizer_config.name=muon (torch.optim.Muon)")
+    if not hasattr(torch.optim, "Muon"):  # a build without it
+        raise UsageError(f"optimizer_config.name=muon needs torch.optim.Muon, which torch {torch.__version__} lacks")
 
 
 def ddp_no_buffer_sync() -> dict[str, Any]:

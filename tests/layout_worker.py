@@ -7,7 +7,8 @@ For each LAYOUT (a name in LAYOUTS: its parallel_config and strategy):
 1. equivalence: 6 optimizer steps (fp32, dropout 0, clipping engaged) end with the weights of one process trained on
    the same global batches (a trainer of its own in every process, no group); the largest difference is reported;
 2. exact resume: the step-6 snapshot deleted, a new trainer resumes from step 3 and must end with the same digest;
-3. across layouts: the step-6 snapshot loaded by a trainer of the NEXT layout in the list must hold the same
+3. across layouts: the step-6 snapshot loaded by a trainer of the NEXT layout in the list (of those with the same
+   optimizer: names ending in "muon" train with Muon and AdamW, the others with AdamW) must hold the same
    weights (digest after restoring), and that trainer takes a step from it; read alone, as snapshot.py and sample.py
    read it, it has the same digest too.
 Global rank 0 writes OUT_DIR/result.json after each layout.
@@ -58,21 +59,32 @@ LAYOUTS = {
     "hsdp": ("fsdp", {"dp_replicate": 2}),
     "pp4": ("ddp", {"pp": 4}),
     "tp4": ("ddp", {"tp": 4}),
+    # Muon on the blocks' matrices (gathered whole where they are DTensors), AdamW on the rest
+    "ddp_muon": ("ddp", {}),
+    "fsdp_muon": ("fsdp", {}),
+    "tp_muon": ("ddp", {"tp": 2}),
+    "pp_muon": ("ddp", {"pp": 2}),
 }
+MUON = OptimizerConfig(name="muon", learning_rate=1e-2, warmup_steps=0, min_lr=1e-3, muon_learning_rate=0.05,
+                       muon_momentum_warmup_steps=4, muon_weight_decay=0.1)  # every Muon setting in play
+ADAMW = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3)
 
 
-def config(strategy: str, parallel: dict, batch_size: int, snapshots: Path) -> TrainConfig:
+def optimizer_of(name: str) -> OptimizerConfig:
+    return MUON if name.endswith("muon") else ADAMW
+
+
+def config(strategy: str, parallel: dict, batch_size: int, snapshots: Path, optimizer: OptimizerConfig) -> TrainConfig:
     trainer = TrainerConfig(max_steps=STEPS, batch_size=batch_size, mixed_precision="fp32", strategy=strategy,
                             grad_norm_clip=0.3, eval_every_steps=0, save_every_steps=SAVED, keep_last=3,
                             log_every_steps=100, progress="off", snapshot_path=str(snapshots))
     return TrainConfig(DataConfig(block_size=16), GPTConfig(n_layer=4, n_head=4, n_embd=32, dropout=0.0),
-                       OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3), trainer,
-                       ParallelConfig(**parallel))
+                       optimizer, trainer, ParallelConfig(**parallel))
 
 
-def build(name: str, ctx: DistContext, snapshots: Path, batch_size: int = BATCH) -> Trainer:
+def build(name: str, ctx: DistContext, snapshots: Path, batch_size: int = BATCH, optimizer: str = "") -> Trainer:
     strategy, parallel = LAYOUTS[name]
-    cfg = config(strategy, parallel, batch_size, snapshots)
+    cfg = config(strategy, parallel, batch_size, snapshots, optimizer_of(optimizer or name))
     corpus = CharCorpus.from_text(TEXT, cfg.data_config)
     return main.build_trainer(cfg, corpus, ctx, None, store=SnapshotStore(str(snapshots)))
 
@@ -85,9 +97,10 @@ def digest(trainer: Trainer) -> str:
     return weights_sha256_of(whole_model_tensors(trainer.parallel, trainer._whole_shapes))
 
 
-def reference(dp: int, folder: Path) -> dict[str, torch.Tensor]:
+def reference(dp: int, folder: Path, optimizer: str) -> dict[str, torch.Tensor]:
     """One process trained on the global batches of `dp` data-parallel ranks (no group: every rank repeats it)."""
-    trainer = build("ddp", DistContext.single_process(torch.device("cpu")), folder, batch_size=BATCH * dp)
+    trainer = build("ddp", DistContext.single_process(torch.device("cpu")), folder, batch_size=BATCH * dp,
+                    optimizer=optimizer)
     trainer.fit()
     return whole_weights(trainer)
 
@@ -97,7 +110,7 @@ def check(name: str, following: str, ctx: DistContext, out: Path) -> dict:
     trained = build(name, ctx, folder / "snapshots")
     trained.fit()
     weights, end = whole_weights(trained), digest(trained)
-    expected = reference(trained.layout.dp, folder / f"reference-{ctx.rank}")
+    expected = reference(trained.layout.dp, folder / f"reference-{ctx.rank}", name)
     differences = {key: (weights[key] - expected[key]).abs().max().item() for key in expected}
     dist.barrier()
     if ctx.is_main:  # the run as if killed right after the step-3 snapshot
@@ -123,7 +136,8 @@ def main_worker(out: Path, names: list[str]) -> None:
     ctx = setup_distributed()
     results = {}
     for index, name in enumerate(names):
-        results[name] = check(name, names[(index + 1) % len(names)], ctx, out)
+        same_optimizer = [other for other in names if optimizer_of(other) is optimizer_of(name)]
+        results[name] = check(name, same_optimizer[(same_optimizer.index(name) + 1) % len(same_optimizer)], ctx, out)
         if ctx.is_main:
             (out / "result.json").write_text(json.dumps(results, indent=1))
     dist.barrier()

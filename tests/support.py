@@ -55,6 +55,15 @@ TINY = [
 ]
 
 
+def muon_where_available() -> list[str]:
+    """The override that trains with Muon where torch has it (2.9+): the kill-and-resume tests then cover Muon's
+    state (and AdamW's beside it); on older torch (CI's oldest legs) they train AdamW alone."""
+    import torch
+
+    return ["optimizer_config.name=muon", "optimizer_config.muon_momentum_warmup_steps=20"] \
+        if hasattr(torch.optim, "Muon") else []
+
+
 def corpus_text(lines: int) -> str:
     """`lines` short lines of text: the corpus of a trainer built in the test's own process."""
     return "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(lines))

@@ -1,6 +1,7 @@
 """strategy=fsdp with real processes (torchrun, gloo): 2 ranks each saving their shards, a SIGKILLed worker
 restarted by torchrun ending bit-for-bit equal, the 2 ranks' snapshots resumed on 1 and on 3 processes with the
-global sample position kept. One run serves several checks: the launches are the expensive part. (How close
+global sample position kept; with Muon and AdamW where torch has Muon (AdamW alone on older torch). One run serves
+several checks: the launches are the expensive part. (How close
 fsdp's validation loss comes to ddp's is measured in the README's benchmark, on a longer run.)"""
 
 import os
@@ -9,16 +10,17 @@ import shutil
 
 import pytest
 import torch
-from support import TINY, assert_ok, kill_and_resume, read_summary, run_cli
+from support import TINY, assert_ok, kill_and_resume, muon_where_available, read_summary, run_cli
 
 from mingpt import compat
 from mingpt.checkpoint import store as snap
 
 
 def fsdp_args(snaps, run_dir, strategy: str = "fsdp", max_steps: int = 40) -> list[str]:
-    return [*TINY, f"trainer_config.strategy={strategy}", f"trainer_config.max_steps={max_steps}",
-            "trainer_config.save_every_steps=10", "trainer_config.keep_last=5", f"trainer_config.snapshot_path={snaps}",
-            f"hydra.run.dir={run_dir}"]
+    """Muon's matrices gathered whole from their shards, beside AdamW, where torch has Muon."""
+    return [*TINY, *muon_where_available(), f"trainer_config.strategy={strategy}",
+            f"trainer_config.max_steps={max_steps}", "trainer_config.save_every_steps=10", "trainer_config.keep_last=5",
+            f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}"]
 
 
 @pytest.mark.oldest_torch

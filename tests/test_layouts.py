@@ -4,7 +4,8 @@ Two launches of tests/layout_worker.py (2 and 4 processes) check every supported
 with the weights one process reaches on the same global batches (fp32, dropout 0, clipping engaged; the tolerance,
 1e-4, is far below what a real fault gives: untied embeddings 4.5e-2, an unpermuted q/k/v 0.16, a pipeline's tied
 gradient left unsummed, tests/test_pipeline.py); a run resumed from its step-3 snapshot ends bit-for-bit equal; and
-the snapshot loads bit-for-bit into the next layout of the list. Then the survey's hybrid example through the CLI:
+the snapshot loads bit-for-bit into the next layout of the list. The 2-process launch also trains DDP, FSDP, TP
+and PP with Muon (tolerance: MUON_TOLERANCE). Then the survey's hybrid example through the CLI:
 2 pipeline stages x 2 replicas on 4 processes, a worker SIGKILLed, the job resumed by torchrun to the uninterrupted
 run's weights, its snapshot resumed by one process and by FSDP on 2. Refused settings: one line each."""
 
@@ -37,7 +38,11 @@ from mingpt.parallel.layout import Layout, ParallelConfig, resolve_layout
 
 pytestmark = pytest.mark.skipif(compat.TORCH < compat.CPU_FSDP_TORCH, reason="mesh layouts on a CPU need torch 2.7")
 TOLERANCE = 1e-4
-TWO = ("tp", "pp", "pp_gpipe", "pp_interleaved", "fsdp")
+# Muon orthogonalises in bf16 (torch's Newton-Schulz): the last-bit differences of fp32 gradient reductions flip bf16
+# roundings, which the iteration carries into the update, ~5e-3 in 6 steps even between DDP and one process. The
+# gathering itself is checked to 1e-6 on identical gradients (tests/test_muon.py); resumes stay bit for bit.
+MUON_TOLERANCE = 2e-2
+TWO = ("tp", "pp", "pp_gpipe", "pp_interleaved", "fsdp", "ddp_muon", "fsdp_muon", "tp_muon", "pp_muon")
 FOUR = ("fsdp_tp", "dp_tp", "pp_dp", "pp_fsdp", "pp_fsdp_interleaved", "pp_tp", "hsdp", "pp4", "tp4")
 
 
@@ -64,7 +69,8 @@ def four(tmp_path_factory) -> dict:
 def check_layout(run: dict, name: str) -> None:
     assert name in run["results"], run["log"]
     result = run["results"][name]
-    assert result["max_difference"] < TOLERANCE, result  # the weights of one process
+    tolerance = MUON_TOLERANCE if name.endswith("muon") else TOLERANCE
+    assert result["max_difference"] < tolerance, result  # the weights of one process
     assert result["resume_exact"], result  # resumed from step 3: bit for bit
     assert result["cross_exact"], result  # loaded by the next layout: bit for bit
     assert result["tools_exact"], result  # read by one process, as snapshot.py and sample.py read it

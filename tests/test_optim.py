@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mingpt.errors import UsageError
-from mingpt.optim import OptimizerConfig, build_optimizer, learning_rate
+from mingpt.optim import OptimizerConfig, build_optimizer, decay_groups, learning_rate
 from model import GPT, GPTConfig
 
 
@@ -29,11 +29,11 @@ def test_optimizer_groups_and_fused_kernel_match_reference_adamw():
     gpt = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, vocab_size=10, block_size=4, dropout=0.0))
     reference = copy.deepcopy(gpt)
     cfg = OptimizerConfig(weight_decay=0.1, beta2=0.95)
-    opt = build_optimizer(gpt, cfg)
+    opt = build_optimizer(gpt, cfg).optimizers[0]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert opt.defaults["fused"] is True and opt.defaults["betas"] == (0.9, 0.95)
     # The fused CPU kernel must be the same AdamW as PyTorch's plain for-loop implementation.
-    ref_opt = torch.optim.AdamW(reference.param_groups(cfg.weight_decay), lr=cfg.learning_rate,
+    ref_opt = torch.optim.AdamW(decay_groups(reference.named_parameters(), cfg.weight_decay), lr=cfg.learning_rate,
                                 betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
     idx = torch.randint(0, 10, (3, 4))
     for model, optimizer in ((gpt, opt), (reference, ref_opt)):

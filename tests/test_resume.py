@@ -10,9 +10,11 @@ from support import (
     PROJECT_DIR,
     TINY,
     assert_ok,
+    assert_one_error_line,
     children,
     kill_and_resume,
     logged_step,
+    muon_where_available,
     read_summary,
     run_cli,
     start_cli,
@@ -56,8 +58,9 @@ def several_files(tmp_path: Path) -> list[str]:
 def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
     """On a cached corpus of several files: the first run builds the cache, the killed one and its restart read
     it; the weights and every logged value are those of the run that was not interrupted. In the default precision
-    (bf16 autocast and matmul attention on a CPU with bf16 instructions, fp32 on others)."""
-    data = several_files(tmp_path)
+    (bf16 autocast and matmul attention on a CPU with bf16 instructions, fp32 on others), with Muon and AdamW where
+    torch has Muon; an AdamW run then refuses the Muon snapshots in one line."""
+    data = [*several_files(tmp_path), *muon_where_available()]
     straight = run_cli([*resume_args(tmp_path / "snaps_a", tmp_path / "run_a", max_steps=100, precision="auto"), *data],
                        tmp_path, nproc=2)
     assert_ok(straight)
@@ -78,6 +81,11 @@ def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
         assert b.keys() == a.keys()
     # keep_last=2: only the two newest snapshots remain
     assert [e.step for e in snap.SnapshotStore(str(tmp_path / "snaps_b")).entries()] == [100, 90]
+    if muon_where_available():  # AdamW cannot continue Muon's state: refused before anything is trained or written
+        refused = run_cli([*resume_args(tmp_path / "snaps_b", tmp_path / "run_c", max_steps=110), *data,
+                           "optimizer_config.name=adamw"], tmp_path)
+        assert_one_error_line(refused, "trained with optimizer_config.name=muon, this run asks for adamw")
+        assert [e.step for e in snap.SnapshotStore(str(tmp_path / "snaps_b")).entries()] == [100, 90]
 
 
 def test_world_size_change_keeps_the_global_sample_position(tmp_path):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 from mingpt.checkpoint import store as snapshot_lib
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.distributed.process_group import DistContext
+from mingpt.errors import UsageError
 
 if TYPE_CHECKING:
     from mingpt.checkpoint.sharded import ShardedWriter
@@ -58,6 +59,15 @@ class Restored:
     strategy: str  # the strategy it was trained under (older snapshots: ddp)
     attention: Optional[str] = None  # model_config.attention ("auto" in snapshots from before it was resolved)
     layout: str = ""  # the layout it was trained under ("pp 2 x dp_replicate 2"; the strategy for plain DDP/FSDP)
+
+
+def check_same_optimizer(saved: str, wanted: str, source: str) -> None:
+    """A snapshot's optimizer state continues only under the same optimizer choice: AdamW's moments are not Muon's
+    momentum, and no conversion is exact. (Snapshots from before the choice existed were AdamW's.)"""
+    if saved != wanted:
+        raise UsageError(f"snapshot {source} was trained with optimizer_config.name={saved}, this run asks for "
+                         f"{wanted}: resume with optimizer_config.name={saved}, or use another "
+                         f"trainer_config.snapshot_path to start afresh")
 
 
 class Checkpointer:
@@ -155,6 +165,8 @@ class Checkpointer:
             log.info("no snapshot in %s: starting from scratch", self.store.location)
             return None
         entry, snap = found
+        check_same_optimizer(snap.get("optimizer_name", "adamw"), self.metadata.get("optimizer_name", "adamw"),
+                             self.store.url(entry.name))
         if "shards" in snap:
             self._load_shards(snap)
         else:

@@ -320,14 +320,18 @@ class OptimizerState:
     def __init__(self, modules: nn.Module | list[nn.Module], optimizers: Any,
                  permuted: Optional[dict[str, int]] = None, named: Optional[bool] = None,
                  numbered_names: Optional[list[str]] = None, group: Optional[dist.ProcessGroup] = None) -> None:
+        from mingpt.optim import as_optimizers
+
         self.modules = modules if isinstance(modules, list) else [modules]
-        self.optimizers = getattr(optimizers, "optimizers", [optimizers])
-        self.model, self.optimizer, self.permuted = self.modules[0], self.optimizers[0], permuted or {}
+        self.pairs = as_optimizers(optimizers, self.modules[0]).by_module()  # (module, its optimizers)
+        self.model, self.optimizer, self.permuted = self.modules[0], self.pairs[0][1][0], permuted or {}
         self.sharded = any(is_sharded_model(module) for module in self.modules) if named is None else named
         self.numbered_names, self.group = numbered_names, group
+        # torch's numbered form holds one optimizer: several (Muon and AdamW) are saved by parameter name
+        self.by_name = self.sharded or len(self.pairs) > 1 or len(self.pairs[0][1]) > 1
 
     def state_dict(self) -> dict:
-        return self.named_state_dict() if self.sharded else self.optimizer.state_dict()
+        return self.named_state_dict() if self.by_name else self.optimizer.state_dict()
 
     def named_state_dict(self) -> dict:
         return canonical_state(self._own_state(), self.permuted)
@@ -336,10 +340,9 @@ class OptimizerState:
         """Collective with a `group`. This rank's state by name; every group lists the whole model's members."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        parts = [get_optimizer_state_dict(module, optimizer)
-                 for module, optimizer in zip(self.modules, self.optimizers)]
+        parts = [get_optimizer_state_dict(module, optimizers) for module, optimizers in self.pairs]
         state = {name: value for part in parts for name, value in part["state"].items()}
-        groups = [[part["param_groups"][i] for part in parts]  # the i-th group of each optimizer
+        groups = [[part["param_groups"][i] for part in parts]  # the i-th group of each module's optimizers
                   for i in range(len(parts[0]["param_groups"]))]
         if self.group is not None:
             groups = [[g for rank_groups in gathered for g in rank_groups]
@@ -348,7 +351,7 @@ class OptimizerState:
 
     def load_state_dict(self, state: dict) -> None:
         numbered = any(isinstance(p, int) for group in state["param_groups"] for p in group["params"])
-        if numbered and not self.sharded:
+        if numbered and not self.by_name:
             self.optimizer.load_state_dict(state)
             return
         if numbered:
@@ -359,8 +362,8 @@ class OptimizerState:
         full = not is_sharded_state(state)
         state = layout_state(state, self.permuted, full and self.sharded, self._own_state)
         options = StateDictOptions(full_state_dict=full and self.sharded)
-        for module, optimizer in zip(self.modules, self.optimizers):
-            set_optimizer_state_dict(module, optimizer, own_optimizer_state(state, module), options=options)
+        for module, optimizers in self.pairs:
+            set_optimizer_state_dict(module, optimizers, own_optimizer_state(state, module), options=options)
 
 
 def merged_group(groups: list[dict]) -> dict:
