@@ -52,7 +52,7 @@ from mingpt.distributed.process_group import (
     world_size,
 )
 from mingpt.errors import UsageError, describe
-from mingpt.optim import OptimizerConfig, build_optimizer, lr_factor
+from mingpt.optim import build_optimizer, check_optimizer_fits, lr_factor
 from mingpt.parallel.layout import writes_shards
 from mingpt.reporting.logs import setup_logging
 from mingpt.reporting.plot import LossPlotter
@@ -78,7 +78,7 @@ def build_trainer(cfg: TrainConfig, corpus: CharCorpus, ctx: DistContext, run_di
     model = GPT(gpt_cfg).to(ctx.device)
     log.info("model: %s parameters, %s attention", f"{model.num_params():,}", attention)
     optimizer = functools.partial(build_optimizer, cfg=cfg.optimizer_config)  # built once the model is wrapped
-    schedule = functools.partial(_lr_factor_at, opt_cfg=cfg.optimizer_config)
+    schedule = functools.partial(lr_factor, cfg=cfg.optimizer_config)
     check_optimizer_fits(cfg.optimizer_config, amp_dtype)
     tc = cfg.trainer_config
     if store is None and with_snapshots:
@@ -134,18 +134,6 @@ def report_results(trainer: Trainer, model: GPT, corpus: CharCorpus, run_dir: Pa
         text = generate_text(model.eval(), corpus.vocab, "\n", 200, 0.8, 40, generator)
     plotter.log_result()  # and ends it
     log.info("sample (temperature 0.8, top_k 40):\n%s", text.strip("\n"))
-
-
-def _lr_factor_at(step: int, total_steps: int, opt_cfg: OptimizerConfig) -> float:
-    return lr_factor(step, opt_cfg, total_steps)
-
-
-def check_optimizer_fits(opt_cfg: OptimizerConfig, amp_dtype: torch.dtype) -> None:
-    """Muon with fp16's loss scaling is refused: the scaler decides per optimizer whether an overflow skips its
-    step, so Muon and AdamW could part ways; Muon's Newton-Schulz runs in bf16 anyway."""
-    if opt_cfg.name == "muon" and amp_dtype == torch.float16:
-        raise UsageError("optimizer_config.name=muon does not run in fp16 (trainer_config.mixed_precision resolved "
-                         "to fp16): use bf16 or fp32, or optimizer_config.name=adamw")
 
 
 def report_error(error: BaseException) -> int:

@@ -501,7 +501,7 @@ def make_checkpointer(t: Trainer, snapshots: Optional[SnapshotStore], metadata: 
     named = t.parallel.sharded_snapshots
     pp_group = t.parallel.pipeline.pp_group if t.parallel.pipeline is not None else None
     states = {"model": ModelState(t.parallel.modules, t.parallel.permuted, named),
-              "optimizer": OptimizerState(t.parallel.modules, t.optimizer, t.parallel.permuted, named,
+              "optimizer": OptimizerState(t.optimizer.by_module(), t.parallel.permuted, named,
                                           t._numbered_names, pp_group),
               "scaler": ScalerState(t.scaler, t.amp_dtype, t.ctx), "progress": t, "loss_window": t.window}
     cadence = Cadence(t.cfg.save_every, t.cfg.save_every_steps, t.cfg.keep_last)

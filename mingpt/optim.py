@@ -1,7 +1,7 @@
 """The optimizers of a run and their schedule, from `OptimizerConfig`.
 
     >>> optimizers = build_optimizer(model, OptimizerConfig(name="muon"))   # an `Optimizers`: Muon + AdamW
-    >>> optimizers.schedule(step, lr_factor(step, cfg, total_steps=5000))
+    >>> optimizers.schedule(step, lr_factor(step, 5000, cfg))
     >>> optimizers.step(scaler); optimizers.zero_grad()
 
 `adamw` (the default) is torch's AdamW over the whole model. `muon` is torch's Muon on the blocks' 2-D matrices and
@@ -113,8 +113,9 @@ def learning_rate(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
 
 
-def lr_factor(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
-    """The schedule as a fraction of each group's own peak rate (1.0 at the peak): what the trainer applies."""
+def lr_factor(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
+    """The schedule as a fraction of each group's own peak rate (1.0 at the peak): the trainer's `lr_schedule`,
+    as `functools.partial(lr_factor, cfg=cfg)`."""
     return learning_rate(step, cfg, total_steps) / cfg.learning_rate
 
 
@@ -192,6 +193,14 @@ def as_optimizers(optimizer: Any, module: nn.Module) -> Optimizers:
 
 
 # ----------------------------------------------------------------------------------------------- building
+def check_optimizer_fits(cfg: OptimizerConfig, amp_dtype: torch.dtype) -> None:
+    """Muon with fp16's loss scaling is refused: the scaler decides per optimizer whether an overflow skips its
+    step, so Muon and AdamW could part ways; Muon's Newton-Schulz runs in bf16 anyway."""
+    if cfg.name == "muon" and amp_dtype == torch.float16:
+        raise UsageError("optimizer_config.name=muon does not run in fp16 (trainer_config.mixed_precision resolved "
+                         "to fp16): use bf16 or fp32, or optimizer_config.name=adamw")
+
+
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> Optimizers:
     """The optimizers of `model` (a GPT, a pipeline stage of one, or either sharded) that `cfg.name` says."""
     if cfg.name == "muon":
@@ -253,9 +262,8 @@ class MeshMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        from mingpt.parallel.data_parallel import is_dtensor
-
-        if not any(is_dtensor(p) for group in self.param_groups for p in group["params"]):
+        # A DTensor has a device mesh (checked so, as importing torch.distributed.tensor costs every run time)
+        if not any(hasattr(p, "device_mesh") for group in self.param_groups for p in group["params"]):
             # torch's Muon on this optimizer's groups and state (load_state_dict replaces both objects)
             self.inner.param_groups, self.inner.state = self.param_groups, self.state
             return self.inner.step(closure)

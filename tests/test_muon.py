@@ -52,7 +52,7 @@ def test_wsd_warms_up_holds_then_decays_linearly_over_the_last_fraction():
     assert lrs[10:80] == [1e-3] * 70  # stable until the last 20% of the run
     assert lrs[90] == pytest.approx(1e-4 + 0.5 * 9e-4)  # linear, half-way down
     assert lrs[100:] == [1e-4] * 10
-    assert lr_factor(90, cfg, 100) == pytest.approx(0.55)
+    assert lr_factor(90, 100, cfg) == pytest.approx(0.55)
 
 
 @needs_muon
@@ -75,7 +75,7 @@ def test_the_schedule_scales_each_groups_own_peak_and_warms_muons_momentum():
     cfg = OptimizerConfig(name="muon", learning_rate=1e-3, muon_learning_rate=0.05, warmup_steps=0, min_lr=1e-4,
                           muon_momentum_start=0.85, muon_momentum=0.95, muon_momentum_warmup_steps=10)
     optimizers = build_optimizer(tiny_gpt(), cfg)
-    optimizers.schedule(5, lr_factor(50, cfg, total_steps=100))  # cosine half-way: 0.55 of the peak
+    optimizers.schedule(5, lr_factor(50, 100, cfg))  # cosine half-way: 0.55 of the peak
     assert [group["lr"] for group in optimizers.param_groups] == pytest.approx([5.5e-4, 5.5e-4, 0.0275])
     assert optimizers.optimizers[1].param_groups[0]["momentum"] == pytest.approx(0.90)
     assert "momentum" not in optimizers.optimizers[0].param_groups[0]  # AdamW's betas stay as set
@@ -142,9 +142,9 @@ def test_muon_is_refused_in_one_line_by_a_torch_without_it(tmp_path):
 
 
 def test_muon_in_fp16_is_refused_in_one_line():
-    import main
     from mingpt.errors import UsageError
+    from mingpt.optim import check_optimizer_fits
 
     with pytest.raises(UsageError, match="optimizer_config.name=muon does not run in fp16"):
-        main.check_optimizer_fits(OptimizerConfig(name="muon"), torch.float16)
-    main.check_optimizer_fits(OptimizerConfig(name="muon"), torch.bfloat16)
+        check_optimizer_fits(OptimizerConfig(name="muon"), torch.float16)
+    check_optimizer_fits(OptimizerConfig(name="muon"), torch.bfloat16)

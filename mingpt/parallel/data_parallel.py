@@ -313,22 +313,20 @@ class OptimizerState:
     """The optimizer in a snapshot. DDP: the optimizer's own state_dict (parameters numbered); sharded layouts: keyed
     by parameter name, each rank's part, with the parameter groups of the whole model. Any loads into any layout.
 
-    `modules` and `optimizers` pair up (one optimizer per pipeline stage); `numbered_names` are the whole model's
+    `pairs`: each module (one per pipeline stage) with the optimizers of its parameters (AdamW, or Muon and AdamW:
+    `Optimizers.by_module()`); `numbered_names` are the whole model's
     parameter names in a one-optimizer numbering, for a DDP snapshot's numbered state (default: the model's own);
     `group` is where the groups' members are gathered from when no rank holds them all (pipeline stages)."""
 
-    def __init__(self, modules: nn.Module | list[nn.Module], optimizers: Any,
+    def __init__(self, pairs: list[tuple[nn.Module, list[torch.optim.Optimizer]]],
                  permuted: Optional[dict[str, int]] = None, named: Optional[bool] = None,
                  numbered_names: Optional[list[str]] = None, group: Optional[dist.ProcessGroup] = None) -> None:
-        from mingpt.optim import as_optimizers
-
-        self.modules = modules if isinstance(modules, list) else [modules]
-        self.pairs = as_optimizers(optimizers, self.modules[0]).by_module()  # (module, its optimizers)
-        self.model, self.optimizer, self.permuted = self.modules[0], self.pairs[0][1][0], permuted or {}
-        self.sharded = any(is_sharded_model(module) for module in self.modules) if named is None else named
+        self.pairs = pairs  # each module (a pipeline stage each) with the optimizers of its parameters
+        self.model, self.optimizer, self.permuted = pairs[0][0], pairs[0][1][0], permuted or {}
+        self.sharded = any(is_sharded_model(module) for module, _ in pairs) if named is None else named
         self.numbered_names, self.group = numbered_names, group
         # torch's numbered form holds one optimizer: several (Muon and AdamW) are saved by parameter name
-        self.by_name = self.sharded or len(self.pairs) > 1 or len(self.pairs[0][1]) > 1
+        self.by_name = self.sharded or len(pairs) > 1 or len(pairs[0][1]) > 1
 
     def state_dict(self) -> dict:
         return self.named_state_dict() if self.by_name else self.optimizer.state_dict()
