@@ -21,6 +21,9 @@ import torch.nn.functional as F
 from mingpt.errors import UsageError
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "sdpa", "matmul")
+POSITIONS = ("learned", "rotary")
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "relu2")
 
 
 @dataclass
@@ -46,6 +49,22 @@ class GPTConfig:
     CPU, memory linear in the context). "matmul": the (T x T) score matrix written out as matmuls and a softmax,
     which torch.compile fuses; faster on a CPU for short contexts (docs/cpu.md). "auto": the training run picks
     (trainer.resolve_attention); a model built with "auto" as it is runs sdpa."""
+    positions: str = "learned"
+    """learned (a position embedding, GPT-2) | rotary (RoPE: q and k rotated by their position; no wpe)"""
+    rope_base: float = 10000.0
+    """rotary positions: the base of the rotation frequencies, pair i turning by position * rope_base^(-2i/head_dim)"""
+    norm: str = "layernorm"
+    """layernorm (GPT-2) | rmsnorm (torch's RMSNorm: no mean subtracted, a gain and no bias)"""
+    activation: str = "gelu"
+    """the MLP's nonlinearity: gelu (GPT-2) | relu2 (ReLU squared, as in the modded-nanogpt speedrun)"""
+    qk_norm: bool = False
+    """RMS-normalise each head's q and k before attention (no parameters)"""
+    tie_embeddings: bool = True
+    """the output head shares the token embedding's matrix (GPT-2); false: the head has a weight of its own"""
+    logit_softcap: Optional[float] = None
+    """when set, logits = cap * tanh(logits / cap), in training and generation; null = off"""
+    zero_init_proj: bool = False
+    """zero-initialise the residual output projections (attention's and the MLP's c_proj); false: GPT-2's scaled init"""
     vocab_size: Optional[int] = None
     """set from the data; leave null"""
     block_size: Optional[int] = None
@@ -61,10 +80,21 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise UsageError(f"gpt_config.dropout must be in [0, 1), got {self.dropout}")
-        if self.attention not in ATTENTION_IMPLEMENTATIONS:
-            raise UsageError(
-                f"gpt_config.attention must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, got {self.attention!r}"
-            )
+        for name, choices in (("attention", ATTENTION_IMPLEMENTATIONS), ("positions", POSITIONS), ("norm", NORMS),
+                              ("activation", ACTIVATIONS)):
+            if getattr(self, name) not in choices:
+                raise UsageError(f"gpt_config.{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        self._check_options()
+
+    def _check_options(self) -> None:
+        """The settings that shape one of the options: each refused in one line."""
+        if self.positions == "rotary" and (self.n_embd // self.n_head) % 2:
+            raise UsageError(f"gpt_config.positions=rotary needs an even head size (n_embd / n_head), got "
+                             f"{self.n_embd // self.n_head}: it rotates q and k in pairs")
+        if not self.rope_base > 1.0:
+            raise UsageError(f"gpt_config.rope_base must be greater than 1, got {self.rope_base}")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise UsageError(f"gpt_config.logit_softcap must be positive or null, got {self.logit_softcap}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -75,6 +105,8 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
         self.attention = cfg.attention
+        self.qk_norm = cfg.qk_norm
+        self.rope_base = cfg.rope_base if cfg.positions == "rotary" else None  # None: positions come from wpe
         if cfg.attention == "matmul":
             # Added to the scores: -inf above the diagonal. Not part of the state_dict (it is not learned).
             future = torch.full((cfg.block_size, cfg.block_size), float("-inf")).triu(1)
@@ -84,7 +116,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self._heads(x)
+        q, k, v = self._heads(x, start=0)
         time = x.size(1)
         dropout_p = self.dropout if self.training else 0.0
         if self.attention == "matmul":
@@ -96,23 +128,49 @@ class CausalSelfAttention(nn.Module):
     def extend(self, x: torch.Tensor, cache: dict) -> torch.Tensor:
         """Inference: the output for positions appended to those whose keys and values `cache` holds (it keeps
         them); an empty cache starts at position 0. Positions attend causally, as in `forward`."""
-        q, k, v = self._heads(x)
+        q, k, v = self._heads(x, start=cache["k"].size(2) if cache else 0)
         if cache:  # one new position, which sees every cached one
             k, v = torch.cat((cache["k"], k), dim=2), torch.cat((cache["v"], v), dim=2)
         cache["k"], cache["v"] = k, v
         return self._merge(F.scaled_dot_product_attention(q, k, v, is_causal=x.size(1) > 1))
 
-    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of x (B, T, C) in one matmul, each as (B, heads, T, head_dim). The heads are counted from the
-        projection's width, not n_head: a tensor-parallel rank's c_attn yields the q, k and v of its own heads."""
+    def _heads(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of x (B, T, C), whose positions start at `start`, in one matmul, each as (B, heads, T, head_dim),
+        q and k normalised and rotated where the options say. The heads are counted from the projection's width, not
+        n_head: a tensor-parallel rank's c_attn yields the q, k and v of its own heads."""
         batch, time, _ = x.shape
-        q, k, v = self.c_attn(x).chunk(3, dim=2)
-        return tuple(t.view(batch, time, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(batch, time, -1, self.head_dim).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=2))
+        if self.qk_norm:  # parameter-free: bounds the scores whatever the weights grow to
+            q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
+        if self.rope_base is not None:
+            cos, sin = rotary_angles(start, time, self.head_dim, self.rope_base, q.device)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        return q, k, v
 
     def _merge(self, y: torch.Tensor) -> torch.Tensor:
         """The heads' outputs (B, heads, T, head_dim) back to (B, T, C), through the output projection."""
         batch, _, time, _ = y.shape
         return self.c_proj(y.transpose(1, 2).contiguous().view(batch, time, -1))
+
+
+def rotary_angles(start: int, time: int, head_dim: int, base: float,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles by which rotary embeddings turn positions start ... start + time - 1: pair i of a
+    head turns by position * base^(-2i / head_dim). Each (time, head_dim / 2), fp32. Computed where they are used,
+    not kept as a buffer: a model built on the meta device and materialised later would hold garbage there, and a few
+    hundred sines cost nothing next to the matmuls (torch.compile fuses them)."""
+    frequencies = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    positions = torch.arange(start, start + time, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, frequencies)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (..., time, head_dim) with each pair (x_i, x_{i + head_dim/2}) rotated by its angle (RoPE, pairs of the two
+    halves): then q_m . k_n depends on the positions through m - n only. In fp32, back in x's dtype."""
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+    return rotated.to(x.dtype)
 
 
 def causal_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
@@ -141,26 +199,44 @@ def causal_attention_matmul(
     return weights @ v
 
 
+class ReLUSquared(nn.Module):
+    """relu(x)^2: the modded-nanogpt speedrun's MLP nonlinearity (sparse like ReLU, smooth at 0 like GELU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x).square()
+
+
+def make_activation(cfg: GPTConfig) -> nn.Module:
+    return ReLUSquared() if cfg.activation == "relu2" else nn.GELU()
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    """A norm over the residual stream's width; either kind names its gain `weight`, so parameter names stay."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.n_embd)
+    return nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.gelu = nn.GELU()
+        self.activation = make_activation(cfg)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        return self.dropout(self.c_proj(self.activation(self.c_fc(x))))
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block, as in GPT-2."""
+    """Pre-norm transformer block, as in GPT-2."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,24 +250,18 @@ class GPT(nn.Module):
         if not cfg.vocab_size or not cfg.block_size:
             raise ValueError("GPTConfig.vocab_size and block_size must be set from the data before building GPT")
         self.config = cfg
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-                drop=nn.Dropout(cfg.dropout),
-                h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
-                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
-            )
-        )
+        parts: dict[str, nn.Module] = {"wte": nn.Embedding(cfg.vocab_size, cfg.n_embd)}
+        if cfg.positions == "learned":  # rotary positions enter in attention, with nothing to learn
+            parts["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)
+        parts["drop"] = nn.Dropout(cfg.dropout)
+        parts["h"] = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        parts["ln_f"] = make_norm(cfg)
+        self.transformer = nn.ModuleDict(parts)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        # Weight tying (as GPT-2): the output projection shares the token embedding matrix.
-        self.transformer.wte.weight = self.lm_head.weight
+        if cfg.tie_embeddings:  # as GPT-2: the output projection shares the token embedding matrix
+            self.transformer.wte.weight = self.lm_head.weight
         self.apply(self._init_weights)
-        # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) so the residual stream's variance does not
-        # grow with depth (two residual additions per block).
-        for name, param in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        self._init_residual_projections()
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -202,10 +272,22 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    @torch.no_grad()
+    def _init_residual_projections(self) -> None:
+        """GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) so the residual stream's variance does not
+        grow with depth (two residual additions per block); zero_init_proj starts each block as the identity."""
+        for name, param in self.named_parameters():
+            if not name.endswith("c_proj.weight"):
+                continue
+            if self.config.zero_init_proj:
+                nn.init.zeros_(param)
+            else:
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+
     def num_params(self, exclude_position_embedding: bool = False) -> int:
-        """Parameter count (the tied embedding counted once)."""
+        """Parameter count (a tied embedding counted once), without the learned position embedding if asked."""
         n = sum(p.numel() for p in self.parameters())
-        if exclude_position_embedding:
+        if exclude_position_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
         return n
 
@@ -213,14 +295,10 @@ class GPT(nn.Module):
         self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Logits for every position, and the mean cross-entropy against `targets` when given."""
-        _, time = idx.shape
-        if time > self.config.block_size:
-            raise ValueError(f"sequence length {time} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(time, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = self.transformer.drop(self.embed(idx))
         for block in self.transformer.h:
             x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
+        logits = self.unembed(x)
         if targets is None:
             return logits, None
         # The loss is computed in fp32 even under autocast: log-softmax over the vocabulary is where low
@@ -228,15 +306,25 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        """AdamW parameter groups: decay the matrices (linear weights, embeddings), not biases or LayerNorm gains."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        return [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The residual stream's start for tokens idx (B, T) at positions start ... start + T - 1: their embeddings,
+        plus those of their positions when learned (rotary positions enter in attention instead)."""
+        time = idx.size(1)
+        if start + time > self.config.block_size:
+            raise ValueError(f"sequence length {start + time} exceeds block_size {self.config.block_size}")
+        x = self.transformer.wte(idx)
+        if self.config.positions == "learned":
+            x = x + self.transformer.wpe(torch.arange(start, start + time, device=idx.device))
+        return x
+
+    def unembed(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the residual stream x: final norm, output head, and the soft cap where set (in fp32: tanh
+        flattens differences that bf16 would round away)."""
+        logits = self.lm_head(self.transformer.ln_f(x))
+        cap = self.config.logit_softcap
+        if cap is not None:
+            logits = cap * torch.tanh(logits.float() / cap)
+        return logits
 
     @torch.no_grad()
     def generate(
@@ -275,17 +363,22 @@ class GPT(nn.Module):
     def _extend(self, idx: torch.Tensor, caches: list[dict], start: int) -> torch.Tensor:
         """Inference (`generate`): the logits of the last of `idx`'s positions, which start at position `start`,
         with each block's keys and values cached in `caches` (the same function as `forward`, without dropout)."""
-        pos = torch.arange(start, start + idx.size(1), device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.embed(idx, start)
         for block, cache in zip(self.transformer.h, caches):
             x = x + block.attn.extend(block.ln_1(x), cache)
             x = x + block.mlp(block.ln_2(x))
-        return self.lm_head(self.transformer.ln_f(x[:, -1:]))
+        return self.unembed(x[:, -1:])
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 per parameter (forward + backward), plus the attention score/value matmuls.
+        """Training FLOPs per token: 6 per matmul parameter (forward + backward), plus the attention score/value
+        matmuls.
 
-        Follows the PaLM appendix B accounting: 6N + 12 * n_layer * n_embd * block_size.
+        Follows the PaLM appendix B accounting: 6N + 12 * n_layer * n_embd * block_size, where N leaves out the
+        embedding lookups: the learned position embedding, and the token embedding when untied (tied, its matrix is
+        the output head's, a matmul; an untied head counts as one). Norm gains and biases stay in N (a rounding
+        error). The options' elementwise work (rotary, qk_norm, the soft cap) is not counted.
         """
         cfg = self.config
-        return 6 * self.num_params(exclude_position_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+        lookup = 0 if cfg.tie_embeddings else self.transformer.wte.weight.numel()
+        matmul_params = self.num_params(exclude_position_embedding=True) - lookup
+        return 6 * matmul_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size

@@ -61,6 +61,7 @@ from mingpt import config
 from mingpt.distributed import process_group as distributed
 from mingpt.distributed.process_group import DistContext
 from mingpt.errors import UsageError
+from mingpt.optim import decay_groups
 from mingpt.parallel.data_parallel import is_dtensor
 from mingpt.reporting import logs as reporting
 from model import GPT
@@ -183,8 +184,8 @@ class NanoGPTLoop:
                                       attention="sdpa")
         torch.manual_seed(tc.seed)
         self.model = GPT(gpt_cfg)
-        self.optimizer = torch.optim.AdamW(self.model.param_groups(oc.weight_decay), lr=oc.learning_rate,
-                                           betas=(oc.beta1, oc.beta2), eps=oc.eps)
+        self.optimizer = torch.optim.AdamW(decay_groups(self.model.named_parameters(), oc.weight_decay),
+                                           lr=oc.learning_rate, betas=(oc.beta1, oc.beta2), eps=oc.eps)
         self.learning_rate = oc.learning_rate
         self.data = torch.from_numpy(corpus.ids(0, corpus.n_train).astype("int64"))
         self.x, self.y = self._batch()

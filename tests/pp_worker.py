@@ -4,18 +4,19 @@ processes, against one process training the same GPT on the same global batches.
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 tests/pp_worker.py OUT_DIR
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 tests/pp_worker.py OUT_DIR
 
-Every process first trains the reference (the whole GPT, one process's work) itself; each case then trains STEPS
-AdamW steps with clipping engaged and compares per-step losses, gradient norms and final weights with it, and
-evaluates (before training and mid-run) through the schedule's eval() (where pipeline.py uses it) and through the
-pipeline's own forward pass. Two processes (PP 2): 1F1B, GPipe, Interleaved1F1B, uneven stages, and 1F1B with the
-tied gradients left unsummed (must differ); an Interleaved1F1B state saved with torch.distributed.checkpoint and
-resumed under 1F1B; evaluations of batches of several shapes; the one-line errors. Four processes: PP 4 (1F1B,
-GPipe); PP 2 x FSDP2 2 (each schedule); PP 2 x DDP 2 (1F1B and GPipe, with find_unused_parameters; plain DDP
-refused); PP 2 x FSDP2 replicas 2 (a 2-D mesh whose shard dimension is 1; each schedule); and a PP 2 x FSDP 2 state
-saved with torch.distributed.checkpoint after 2 steps (OUT_DIR/dcp), with the weights at the save and after the next
-step (OUT_DIR/next.pt) for the test to load into one process; gradients accumulated over two steps with an
-evaluation between them against the same without. Rank 0 writes OUT_DIR/result.json. On torch 2.7 the cases
-pipeline.py refuses on a CPU there (1F1B, Interleaved1F1B) and FSDP2 replicas are left out.
+Every process first trains the reference (the whole GPT, one process's work) itself; each case then trains STEPS AdamW
+steps with clipping engaged and compares per-step losses, gradient norms and final weights with it, and evaluates
+(before training and mid-run) through the schedule's eval() (where pipeline.py uses it) and through the pipeline's own
+forward pass. Two processes (PP 2): 1F1B, GPipe, Interleaved1F1B, uneven stages, and 1F1B with the tied gradients left
+unsummed (must differ); an Interleaved1F1B state saved with torch.distributed.checkpoint and resumed under 1F1B;
+evaluations of batches of several shapes; the one-line errors; 1F1B with every model option of model.py on (rotary
+positions: no wpe on the first stage; an untied head: the last stage's own, no tied sum). Four processes: PP 4 (1F1B,
+GPipe); PP 2 x FSDP2 2 (each schedule); PP 2 x DDP 2 (1F1B and GPipe, with find_unused_parameters; plain DDP refused);
+PP 2 x FSDP2 replicas 2 (a 2-D mesh whose shard dimension is 1; each schedule); and a PP 2 x FSDP 2 state saved with
+torch.distributed.checkpoint after 2 steps (OUT_DIR/dcp), with the weights at the save and after the next step
+(OUT_DIR/next.pt) for the test to load into one process; gradients accumulated over two steps with an evaluation between
+them against the same without. Rank 0 writes OUT_DIR/result.json. On torch 2.7 the cases pipeline.py refuses on a CPU
+there (1F1B, Interleaved1F1B) and FSDP2 replicas are left out.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.nn as nn  # noqa: E402
 
 from mingpt.compat import TORCH  # noqa: E402
 from mingpt.errors import UsageError  # noqa: E402
+from mingpt.optim import decay_groups  # noqa: E402
 from mingpt.parallel.pipeline import (  # noqa: E402
     SCHEDULE_EVAL_TORCH,
     GPTPipeline,
@@ -53,17 +55,23 @@ LR, WEIGHT_DECAY = 1e-2, 0.1
 EVAL_STEP = 100  # the evaluation batch's seed
 
 
-def tiny_config() -> GPTConfig:
-    return GPTConfig(n_layer=4, n_head=4, n_embd=64, dropout=0.0, vocab_size=65, block_size=32, bias=True)
+# Every model option at once (model.py), the soft cap tight enough to bend the logits
+ALL_OPTIONS = dict(positions="rotary", norm="rmsnorm", activation="relu2", qk_norm=True, tie_embeddings=False,
+                   logit_softcap=1.0, zero_init_proj=True)
 
 
-def build(seed: int = 0) -> GPT:
+def tiny_config(**options: Any) -> GPTConfig:
+    return GPTConfig(n_layer=4, n_head=4, n_embd=64, dropout=0.0, vocab_size=65, block_size=32, bias=True, **options)
+
+
+def build(seed: int = 0, **options: Any) -> GPT:
+    """The GPT of every case (with model `options` where given: GPTConfig fields)."""
     torch.manual_seed(seed)
-    return GPT(tiny_config())
+    return GPT(tiny_config(**options))
 
 
 def optimizer_of(module: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(module.param_groups(WEIGHT_DECAY), lr=LR)
+    return torch.optim.AdamW(decay_groups(module.named_parameters(), WEIGHT_DECAY), lr=LR)
 
 
 def batch(step: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,9 +92,10 @@ def reference_step(model: GPT, optimizer: torch.optim.Optimizer, step: int) -> t
     return loss.item(), norm.item()
 
 
-def reference() -> dict[str, Any]:
-    """The whole GPT trained in this process: losses, norms, eval losses before the EVAL_AT steps, final weights."""
-    model = build()
+def reference(**options: Any) -> dict[str, Any]:
+    """The whole GPT (with model `options`) trained in this process: losses, norms, eval losses before the EVAL_AT
+    steps, final weights."""
+    model = build(**options)
     optimizer = optimizer_of(model)
     losses, norms, evals = [], [], []
     for step in range(STEPS):
@@ -195,14 +204,17 @@ def offered(schedule: str) -> bool:
 
 
 def run_case(name: str, mesh: Any, dp: int, schedule: str, ref: dict[str, Any], results: dict[str, Any],
-             prepare: Optional[Callable[[nn.Module], nn.Module]] = None, sync: bool = True, **options: Any) -> None:
+             prepare: Optional[Callable[[nn.Module], nn.Module]] = None, sync: bool = True,
+             model: Optional[dict[str, Any]] = None, **options: Any) -> None:
+    """Case `name`: the GPT (with `model` options; `ref` trained the same one) through build_pipeline(**options)."""
     if not offered(schedule):
         return
     dp_rank = mesh.get_local_rank("dp") if "dp" in mesh.mesh_dim_names else 0
     if "dp_replicate" in mesh.mesh_dim_names:
         dp_rank = mesh.get_local_rank("dp_replicate")
-    pipe = build_pipeline(build(), mesh, torch.device("cpu"), schedule, prepare_stage=prepare, **options)
-    results[name] = train(pipe, results["reference"], dp, dp_rank, sync)
+    pipe = build_pipeline(build(**(model or {})), mesh, torch.device("cpu"), schedule, prepare_stage=prepare,
+                          **options)
+    results[name] = train(pipe, ref, dp, dp_rank, sync)
 
 
 def error_of(action: Callable[[], Any]) -> Optional[str]:
@@ -222,6 +234,8 @@ def two_processes(ref: dict[str, Any], results: dict[str, Any], out: Path) -> No
     run_case("pp_interleaved", mesh, 1, "Interleaved1F1B", ref, results, microbatches=4)
     run_case("pp_1f1b_uneven", mesh, 1, "1F1B", ref, results, microbatches=4, layers=[1, 3])
     run_case("pp_1f1b_untied", mesh, 1, "1F1B", ref, results, microbatches=2, sync=False)
+    run_case("pp_1f1b_options", mesh, 1, "1F1B", reference(**ALL_OPTIONS), results, model=ALL_OPTIONS,
+             microbatches=2)
     pipe = build_pipeline(build(), mesh, torch.device("cpu"), "GPipe", microbatches=4)
     results["resume"] = resume_elsewhere(mesh, ref, out)
     results["eval_shapes"] = evaluation_shapes(mesh)

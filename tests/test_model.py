@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mingpt.errors import UsageError
+from mingpt.optim import decay_groups
 from model import GPT, GPTConfig, causal_attention_matmul, causal_attention_sdpa
 
 
@@ -90,7 +91,7 @@ def test_too_long_sequence_is_refused():
 
 def test_weight_decay_only_on_matrices():
     gpt = tiny_gpt()
-    decay, no_decay = gpt.param_groups(weight_decay=0.1)
+    decay, no_decay = decay_groups(gpt.named_parameters(), weight_decay=0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"])
     assert all(p.dim() < 2 for p in no_decay["params"])

@@ -1,25 +1,34 @@
-"""Pipeline parallelism (mingpt/parallel/pipeline.py): the stage split and the stage modules in this process, then
-real torchrun processes (tests/pp_worker.py, one launch of 2 processes) against one process training the same GPT
-on the same global batches: PP 2 under each schedule; the tied embedding's gradients left unsummed must fail the same
-comparison; states saved with torch.distributed.checkpoint resume under another schedule (Interleaved1F1B to 1F1B).
-The 4-process products (PP 4, PP x FSDP, PP x replicas) are tested through the real Trainer in tests/test_layouts.py;
-`torchrun --standalone --nproc_per_node=4 tests/pp_worker.py OUT` still runs the worker's own 4-process cases."""
+"""Pipeline parallelism (mingpt/parallel/pipeline.py): the stage split and the stage modules in this process, then real
+torchrun processes (tests/pp_worker.py, one launch of 2 processes) against one process training the same GPT on the same
+global batches: PP 2 under each schedule, and with every model option of model.py on; the tied embedding's gradients
+left unsummed must fail the same comparison; states saved with torch.distributed.checkpoint resume under another
+schedule (Interleaved1F1B to 1F1B). The 4-process products (PP 4, PP x FSDP, PP x replicas) are tested through the real
+Trainer in tests/test_layouts.py; `torchrun --standalone --nproc_per_node=4 tests/pp_worker.py OUT` still runs the
+worker's own 4-process cases."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from pp_worker import MAX_NORM, STEPS, build
+from pp_worker import ALL_OPTIONS, MAX_NORM, STEPS, build
 from support import assert_ok, cli, standalone, subprocess_env
 
 from mingpt.compat import TORCH
 from mingpt.errors import UsageError
-from mingpt.parallel.pipeline import PIPELINE_TORCH, SCHEDULE_EVAL_TORCH, GPTStage, rank_stages, stage_layers
+from mingpt.parallel.pipeline import (
+    PIPELINE_TORCH,
+    SCHEDULE_EVAL_TORCH,
+    GPTPipeline,
+    GPTStage,
+    rank_stages,
+    stage_layers,
+)
 
 LOSS_TOLERANCE = 1e-5  # fp32 over 5 steps; measured ~1e-6
 WEIGHT_TOLERANCE = 1e-4  # fp32 AdamW after 5 steps with clipping; measured ~1.1e-5
@@ -74,6 +83,20 @@ def test_stages_keep_the_gpt_names_and_chain_to_its_logits():
     assert set(first.state_dict()) | set(last.state_dict()) == set(gpt.state_dict())
 
 
+def test_stages_of_a_rotary_untied_gpt_hold_their_own_parts_and_chain_to_its_logits():
+    """No position embedding under rotary positions; an untied head is the last stage's alone (no wte there, so
+    there is no tied copy to sum: tied_parameter is None on every stage)."""
+    gpt = build(**ALL_OPTIONS)
+    idx = torch.randint(65, (2, 32))
+    first, last = GPTStage(gpt, range(0, 2), True, False), GPTStage(gpt, range(2, 4), False, True)
+    torch.testing.assert_close(last(first(idx)), gpt(idx)[0], rtol=0, atol=0)
+    assert "wpe" not in first.transformer and "wte" not in last.transformer
+    assert set(first.state_dict()) | set(last.state_dict()) == set(gpt.state_dict())
+    assert "lm_head.weight" in last.state_dict() and "transformer.wte.weight" in first.state_dict()
+    for stages in ([first], [last]):
+        assert GPTPipeline.tied_parameter(SimpleNamespace(stages=stages)) is None
+
+
 # ------------------------------------------------------------------------------------------------ real processes
 
 
@@ -96,7 +119,8 @@ def assert_matches_one_process(result: dict[str, Any], name: str) -> None:
 
 
 @needs_pipelining
-@pytest.mark.parametrize("case", ["pp_1f1b", "pp_gpipe", "pp_interleaved", "pp_1f1b_uneven"])
+@pytest.mark.parametrize("case", ["pp_1f1b", "pp_gpipe", "pp_interleaved", "pp_1f1b_uneven",
+                                  "pp_1f1b_options"])  # the last: every model option (rotary, an untied head, ...)
 def test_pipeline_matches_one_process(two, case):
     assert_matches_one_process(two, case)
 

@@ -2,8 +2,9 @@
 v projection, and a torchrun launch of tests/tp_worker.py (gloo, fp32, no dropout, a 2-3 block GPT of width 64):
 
     2 processes  TP 2 trains as one process does (clipping engaged, the tie restored: undone, the weights drift 10x
-                 past the tolerance); pipeline-stage copies; the degree refused in one line; a TP 2 checkpoint in
-                 canonical order that this process loads alone, and the reverse; bf16 autocast + torch.compile
+                 past the tolerance), and so does a GPT with every option of model.py on; pipeline-stage copies;
+                 the degree refused in one line; a TP 2 checkpoint in canonical order that this process loads
+                 alone, and the reverse; bf16 autocast + torch.compile
 FSDP2 x TP on 4 processes is tested through the real Trainer in tests/test_layouts.py (the worker still runs it:
 `torchrun --standalone --nproc_per_node=4 tests/tp_worker.py OUT`).
 
@@ -141,6 +142,16 @@ def test_tensor_parallel_trains_as_one_process_does(two):
     assert tp["tied"] and tp["all_dtensors"]
     assert sorted(tp["permuted"]) == [f"transformer.h.{i}.attn.c_attn.{kind}" for i in (0, 1)
                                       for kind in ("bias", "weight")]
+
+
+def test_every_model_option_at_once_trains_as_one_process_does(two):
+    """Rotary positions, RMSNorm on sequence shards, q/k norm, ReLU squared, the soft cap on split logits and an
+    untied head split over the vocabulary on its own (AdamW eps 1e-6 in this case: tp_worker.OPTIONS_EPS)."""
+    options = two.case("options")
+    assert not options["tied"] and options["head_placements"] == "(Shard(dim=0),)" and options["norm"] == "RMSNorm"
+    assert options["first_gradient_max_difference"] < 1e-6
+    assert max(abs(a - b) for a, b in zip(options["losses"], options["expected_losses"])) < LOSS_TOLERANCE
+    assert options["max_weight_difference"] < TOLERANCE
 
 
 def test_pipeline_stage_copies_take_tensor_parallelism(two):

@@ -6,9 +6,10 @@ between real processes, against one process training the same model on the same 
 
 Two processes: "tp" (TP 2 against one process, and the same with the tie left undone), "dcp" (a TP 2 state saved in
 canonical order; a one-process state loaded into TP 2, from DCP and from full tensors), "stages" (TP on two
-pipeline-stage copies of the model), "error" (a degree that does not divide n_head, block_size or the sequence), and
-with --compile "compile" (bf16 autocast and torch.compile'd blocks). Four processes: "fsdp_tp" (FSDP2 over "dp" on
-top of TP over "tp", a 2x2 mesh; its state saved in canonical order, and loaded back). Rank 0 writes
+pipeline-stage copies of the model), "error" (a degree that does not divide n_head, block_size or the sequence),
+"options" (every model option of model.py at once: TP 2 against one process), and with --compile "compile" (bf16
+autocast and torch.compile'd blocks). Four processes: "fsdp_tp" (FSDP2 over "dp" on top of TP over "tp", a 2x2
+mesh; its state saved in canonical order, and loaded back). Rank 0 writes
 OUT_DIR/result.json ({case: figures}, after each case) and the tensors the test process compares against a
 checkpoint (OUT_DIR/*.pt). Every figure is computed on every rank (the collectives need them all); rank 0's are
 reported.
@@ -41,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: 
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from mingpt.errors import UsageError  # noqa: E402
+from mingpt.optim import decay_groups  # noqa: E402
 from mingpt.parallel.tensor_parallel import (  # noqa: E402
     apply_tensor_parallel,
     canonical_full,
@@ -55,6 +57,12 @@ BATCH, STEPS = 4, 5
 MAX_NORM = 0.05  # below every step's gradient norm here (the result reports them): clipping engages each step
 LR, WEIGHT_DECAY = 1e-2, 0.1
 FSDP_TP_CONFIG = dict(bias=False, n_layer=3)  # the 2x2 case's model: without biases, three blocks
+# Every model option at once (model.py), the soft cap tight enough to bend the logits
+ALL_OPTIONS = dict(positions="rotary", norm="rmsnorm", activation="relu2", qk_norm=True, tie_embeddings=False,
+                   logit_softcap=1.0, zero_init_proj=True)
+# AdamW's eps for them: an untied embedding's gradient is a sum that cancels to ~1e-7 in places, where eps=1e-8 makes
+# AdamW's step a sign of rounding noise (5e-4 apart after 5 steps, the first gradients 5e-8 apart; 2e-5 with 1e-7)
+OPTIONS_EPS = 1e-6
 
 
 def tiny_config(**overrides) -> GPTConfig:
@@ -67,8 +75,8 @@ def build(config: GPTConfig, seed: int = 0) -> GPT:
     return GPT(config)
 
 
-def optimizer_of(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.param_groups(WEIGHT_DECAY), lr=LR, fused=True)
+def optimizer_of(model: nn.Module, eps: float = 1e-8) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(decay_groups(model.named_parameters(), WEIGHT_DECAY), lr=LR, fused=True, eps=eps)
 
 
 def batch(step: int, config: GPTConfig, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,10 +147,10 @@ def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def reference(config: GPTConfig, steps: range) -> tuple[GPT, torch.optim.Optimizer, dict]:
+def reference(config: GPTConfig, steps: range, eps: float = 1e-8) -> tuple[GPT, torch.optim.Optimizer, dict]:
     """One process: the plain GPT trained on the whole batches (every rank computes it alone, identically)."""
     model = build(config)
-    optimizer = optimizer_of(model)
+    optimizer = optimizer_of(model, eps)
     figures = train(model, optimizer, config, steps, parallel_loss=False)
     return model, optimizer, figures
 
@@ -197,6 +205,26 @@ def case_tp(mesh: DeviceMesh, out: Path) -> dict:
     state = {k: v for k, v in full_state(untied.state_dict(), permuted).items() if k != "lm_head.weight"}
     result["untied_max_weight_difference"] = max_difference(
         state, {k: v for k, v in expected_weights.items() if k != "lm_head.weight"})
+    return result
+
+
+def case_options(mesh: DeviceMesh, out: Path) -> dict:
+    """Every model option at once against one process, 5 steps: rotary positions on each rank's heads, RMSNorm on
+    sequence shards, q/k norm, ReLU squared, the soft cap on vocabulary-split logits, and an untied head split over
+    the vocabulary on its own (nothing re-tied)."""
+    config = tiny_config(**ALL_OPTIONS)
+    unzeroed = tiny_config(**{**ALL_OPTIONS, "zero_init_proj": False})  # every gradient non-zero from the first
+    expected_model, _, expected = reference(config, range(STEPS), OPTIONS_EPS)
+    model, permuted = tensor_parallel_model(config, mesh)
+    result = {"tied": model.lm_head.weight is model.transformer.wte.weight,
+              "head_placements": str(model.lm_head.weight.placements),
+              "norm": type(model.transformer.ln_f).__name__,
+              "first_gradient_max_difference": first_gradient_difference(*tensor_parallel_model(unzeroed, mesh),
+                                                                         unzeroed)}
+    got = train(model, optimizer_of(model, OPTIONS_EPS), config, range(STEPS), parallel_loss=True)
+    result.update(expected_losses=expected["losses"], losses=got["losses"])
+    result["max_weight_difference"] = max_difference(full_state(model.state_dict(), permuted),
+                                                     full_state(expected_model.state_dict(), {}))
     return result
 
 
@@ -382,7 +410,7 @@ def case_stages(mesh: DeviceMesh, out: Path) -> dict:
 
 
 CASES: dict[int, dict[str, Callable[[DeviceMesh, Path], dict]]] = {
-    2: {"tp": case_tp, "dcp": case_dcp, "stages": case_stages, "error": case_error},
+    2: {"tp": case_tp, "options": case_options, "dcp": case_dcp, "stages": case_stages, "error": case_error},
     4: {"fsdp_tp": case_fsdp_tp},
 }
 

@@ -19,6 +19,7 @@ loop.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import io
@@ -42,6 +43,7 @@ from fsspec.implementations.local import LocalFileSystem
 from mingpt.errors import CorruptSnapshot, UsageError, describe, first_line, is_permanent  # noqa: F401 (re-exported)
 from mingpt.storage.durable import fsync_folder, temporary_name
 from mingpt.storage.locations import check_location, resolve_path
+from model import GPTConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,6 +54,10 @@ NAME_PATTERN = re.compile(r"^snapshot-(\d{9})\.pt$")
 SHARDED_SUFFIX = ".dcp"
 SHARDED_PATTERN = re.compile(r"^snapshot-(\d{9})\.dcp$")  # a folder of shards (strategy=fsdp): sharded.py
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "bias", "vocab_size", "block_size")
+# The model options that change its function or parameters, added after the first snapshots were written: a snapshot
+# without one was made by the default (GPT-2's), which is what its absence means. zero_init_proj (only how training
+# starts) and attention (the same function either way) are not among them.
+OPTION_FIELDS = ("positions", "rope_base", "norm", "activation", "qk_norm", "tie_embeddings", "logit_softcap")
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "progress", "model_config", "vocab", "integrity_sha256")
 REQUIRED_TYPES = {"format_version": int, "model": dict, "optimizer": dict, "progress": dict, "model_config": dict,
                   "vocab": str, "integrity_sha256": str}
@@ -206,12 +212,19 @@ def check_compatible(snapshot: dict, model_config: dict, vocab: str, source: str
             f"{len(vocab)}; only in the data: {added!r}, only in the snapshot: {missing!r}; use another "
             f"trainer_config.snapshot_path for other data)"
         )
-    for name in SHAPE_FIELDS:
-        if saved.get(name) != model_config.get(name):
+    saved, wanted = with_option_defaults(saved), with_option_defaults(model_config)
+    for name in (*SHAPE_FIELDS, *OPTION_FIELDS):
+        if saved.get(name) != wanted.get(name):
             raise UsageError(
                 f"snapshot {source} is for a different model: {name}={saved.get(name)} in the snapshot, "
-                f"{model_config.get(name)} in the config (use another trainer_config.snapshot_path to start afresh)"
+                f"{wanted.get(name)} in the config (use another trainer_config.snapshot_path to start afresh)"
             )
+
+
+def with_option_defaults(model_config: dict) -> dict:
+    """A model config with the options it does not name (one from before they existed) at their defaults."""
+    defaults = {field.name: field.default for field in dataclasses.fields(GPTConfig) if field.name in OPTION_FIELDS}
+    return {**defaults, **model_config}
 
 
 # --------------------------------------------------------------------------------------------------- storage
@@ -662,9 +675,15 @@ def model_tensors(snapshot: dict) -> dict[str, torch.Tensor]:
     return snapshot["shards"].full("model.") if "shards" in snapshot else snapshot["model"]
 
 
+def _tied(snapshot: dict) -> bool:
+    """Whether the snapshot's output head is its token embedding (its state dict names the one tensor twice)."""
+    return with_option_defaults(snapshot["model_config"])["tie_embeddings"]
+
+
 def summary(snapshot: dict) -> dict:
     """The same fields for both kinds; weights_sha256 is always over the full tensors."""
     progress, model = snapshot["progress"], model_tensors(snapshot)
+    second_names = {"lm_head.weight"} if _tied(snapshot) else set()  # the tied matrix, counted once
     return {
         "format_version": snapshot["format_version"],
         "format": "sharded" if "shards" in snapshot else "file",
@@ -674,7 +693,7 @@ def summary(snapshot: dict) -> dict:
         "step": progress["step"],
         "epoch_samples": progress["epoch_samples"],
         "world_size": snapshot["world_size"],
-        "n_params": sum(t.numel() for k, t in model.items() if k != "lm_head.weight"),
+        "n_params": sum(t.numel() for k, t in model.items() if k not in second_names),
         "vocab_size": len(snapshot["vocab"]),
         "val_loss": progress.get("val_loss"),
         "created_at": snapshot["created_at"],
@@ -744,7 +763,8 @@ def export(source: str, target: str) -> str:
     snapshot = read_snapshot(source)
     model = {name: tensor.contiguous() for name, tensor in model_tensors(snapshot).items()}
     tied = {}
-    if "lm_head.weight" in model and torch.equal(model["lm_head.weight"], model["transformer.wte.weight"]):
+    if _tied(snapshot) and "lm_head.weight" in model and torch.equal(model["lm_head.weight"],
+                                                                      model["transformer.wte.weight"]):
         tied["lm_head.weight"] = "transformer.wte.weight"
     stored = {name: tensor for name, tensor in model.items() if name not in tied}
     config = {"format": "mingpt-ddp safetensors export", "format_version": 1, "model_config": snapshot["model_config"],

@@ -18,7 +18,8 @@ stages merge by name into the whole model's, which is what torch.distributed.che
 The token embedding is tied to the output projection. The first stage uses it as the embedding, the last as the
 head: both keep a copy (the last under both names, `transformer.wte.weight` first, as in a whole GPT), and each copy
 gets the gradient of its own use. `sync_tied_gradients` sums the two over a group of the two stages' ranks, so both
-copies take the same optimizer steps and stay equal.
+copies take the same optimizer steps and stay equal. With `tie_embeddings=false` the head has its own matrix, which
+only the last stage holds, and there is nothing to sum.
 
 Data parallelism inside a stage is the caller's `prepare_stage(module) -> module`, applied before the schedule sees
 the stage: FSDP2's `fully_shard` over a data-parallel mesh (shards, or replicas: a 2-D mesh whose shard dimension is
@@ -97,9 +98,10 @@ def rank_stages(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
 class GPTStage(nn.Module):
     """Some consecutive blocks of a GPT: with the embeddings if first, the final norm and head if last.
 
-    Built from a GPT's own modules (no copy): parameter names are those of the whole GPT. The last stage also
-    keeps `transformer.wte`, which its forward never calls: the tied weight then keeps its GPT name
-    `transformer.wte.weight` first, and both its state-dict keys exist.
+    Built from a GPT's own modules (no copy): parameter names are those of the whole GPT. With tied embeddings the
+    last stage also keeps `transformer.wte`, which its forward never calls: the tied weight then keeps its GPT name
+    `transformer.wte.weight` first, and both its state-dict keys exist. Untied, the last stage holds its own head
+    (`lm_head.weight`) and no embedding; under rotary positions the first holds no `wpe`.
     forward: first stage idx (B, T) int64 -> hidden (B, T, C); others hidden -> hidden; the last -> logits (B, T, V).
     """
 
@@ -109,10 +111,10 @@ class GPTStage(nn.Module):
         self.is_first, self.is_last = first, last
         whole = gpt.transformer
         parts: dict[str, nn.Module] = {}  # in the GPT's order, so the tied weight's first name is the GPT's
-        if first or last:
+        if first or (last and self.config.tie_embeddings):
             parts["wte"] = whole.wte
         if first:
-            parts["wpe"], parts["drop"] = whole.wpe, whole.drop
+            parts.update({name: whole[name] for name in ("wpe", "drop") if name in whole})
         parts["h"] = nn.ModuleDict({str(index): whole.h[index] for index in layers})
         if last:
             parts["ln_f"] = whole.ln_f
@@ -122,18 +124,15 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:  # as GPT.forward
-            time = x.size(1)
-            if time > self.config.block_size:
-                raise ValueError(f"sequence length {time} exceeds block_size {self.config.block_size}")
-            pos = torch.arange(time, device=x.device)
-            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
+            x = self.transformer.drop(self.embed(x))
         for block in self.transformer.h.values():
             x = block(x)
         if self.is_last:
-            x = self.lm_head(self.transformer.ln_f(x))
+            x = self.unembed(x)
         return x
 
-    param_groups = GPT.param_groups  # AdamW's groups over this stage's parameters, by the whole model's rule
+    # The whole model's functions over this stage's modules (the same names): one definition of each
+    embed, unembed = GPT.embed, GPT.unembed
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -283,9 +282,10 @@ class GPTPipeline:
     # -------------------------------------------------------------------------------------------- gradients
 
     def tied_parameter(self) -> Optional[nn.Parameter]:
-        """This rank's copy of the embedding tied to the head (first or last stage), or None."""
+        """This rank's copy of the embedding tied to the head (first or last stage), or None (also when the model's
+        head is untied: each stage then owns its matrix alone, and there is nothing to sum)."""
         for stage in self.stages:
-            if stage.is_first or stage.is_last:
+            if stage.config.tie_embeddings and (stage.is_first or stage.is_last):
                 return stage.transformer.wte.weight
         return None
 

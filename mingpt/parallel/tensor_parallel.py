@@ -11,11 +11,14 @@ order.
 
 Under a degree of N, rank r holds heads r*n_head/N ... (r+1)*n_head/N - 1 of every block (their q, k and v: rows of
 `c_attn`; their share of `c_proj`'s columns), 1/N of the MLP's hidden units likewise, and 1/N of the vocabulary (the
-tied `wte` / `lm_head` matrix, Shard(0) for both). Between the column- and row-parallel pairs the activations are
-split along the sequence (sequence parallelism): norms, dropouts and residual additions each see T/N positions, and
-every parameter is a DTensor (fused AdamW and gradient clipping refuse a mix of DTensors and plain tensors). What
-passes between blocks, and between pipeline stages, is a rank's (B, T/N, C) part as a plain tensor. The logits stay
-split over the vocabulary; `loss_parallel` computes the cross-entropy over those shards without gathering them.
+tied `wte` / `lm_head` matrix, Shard(0) for both; an untied head is split the same way, apart from `wte`). Between the
+column- and row-parallel pairs the activations are split along the sequence (sequence parallelism): norms (LayerNorm
+or RMSNorm), dropouts and residual additions each see T/N positions, and every parameter is a DTensor (fused AdamW and
+gradient clipping refuse a mix of DTensors and plain tensors). What passes between blocks, and between pipeline
+stages, is a rank's (B, T/N, C) part as a plain tensor. Attention sees the whole sequence (gathered), so rotary
+positions and q/k norm (model.py's options) apply to each rank's own heads as in one process and need no plan. The
+logits stay split over the vocabulary (the soft cap is elementwise); `loss_parallel` computes the cross-entropy over
+those shards without gathering them.
 
 The fused `c_attn` (rows [q | k | v]) is kept with its rows PERMUTED under TP: [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], so
 that a plain row split (ColwiseParallel, Shard(0)) hands rank r the q, k and v of its own heads. AdamW works element
