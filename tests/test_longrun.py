@@ -12,12 +12,13 @@ from support import cli, subprocess_env
 
 from mingpt.reporting.logs import read_metrics
 
-STEPS, SAVE_EVERY, KEEP_LAST, LOG_EVERY, EVAL_EVERY = 3000, 25, 2, 100, 400
+STEPS, SAVE_EVERY, KEEP_LAST, LOG_EVERY, EVAL_EVERY = 2000, 20, 2, 100, 400
 WARM, LATE = 500, STEPS - 200  # RSS compared between these two steps (the first evaluation, at 400, is before)
-# Growth allowed between them: 2.5 MB. Measured: 0.1-0.3 MB (about 0.1 kB per step of allocator and logging
-# creep). What a leak would add over these 2,300 steps: one step's autograd graph kept per step (~50 kB of
-# activations for this model) ~100 MB; each snapshot's CPU copy kept (weights + AdamW moments, ~55 kB, 92 saves)
-# ~5 MB; anything kept per step above ~1 kB. The bound sits between the measured creep and the smallest of these.
+# Growth allowed between them: 2.5 MB. Measured (3,000 steps, a snapshot every 25): 0.1-0.3 MB (about 0.1 kB per
+# step of allocator and logging creep). What a leak would add over these 1,300 steps: one step's autograd graph kept
+# per step (~50 kB of activations for this model) ~65 MB; each snapshot's CPU copy kept (weights + AdamW moments,
+# ~55 kB, 65 saves) ~3.6 MB; anything kept per step above ~2 kB. The bound sits between the measured creep and the
+# smallest of these.
 MAX_GROWTH_KB = 2560
 
 
