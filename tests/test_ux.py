@@ -155,7 +155,7 @@ def test_sample_errors_are_one_line(trained, tmp_path, case):
 
 READ_ONLY_COMMANDS = table(  # main.py commands that print and exit 0: what they print, and no run directory
     CliCase("--help describes groups and fields", ("--help",),
-            ("preset: cpu, nanogpt_cpu", "max_epochs", "passes over the training windows", "n_head",
+            ("preset: cpu, gpu, nanogpt_cpu", "max_epochs", "passes over the training windows", "n_head",
              "must divide n_embd"), no_run_dir=True),
     CliCase("--cfg job prints the resolved config", ("preset=cpu", "gpt_config.n_layer=3", "--cfg", "job"),
             ("trainer_config:", "n_layer: 3", "n_embd: 128"), no_run_dir=True),
