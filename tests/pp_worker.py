@@ -35,11 +35,10 @@ import torch.nn as nn  # noqa: E402
 
 from mingpt.compat import TORCH  # noqa: E402
 from mingpt.errors import UsageError  # noqa: E402
-from mingpt.optim import decay_groups  # noqa: E402
+from mingpt.optim import Optimizers, decay_groups  # noqa: E402
 from mingpt.parallel.pipeline import (  # noqa: E402
     SCHEDULE_EVAL_TORCH,
     GPTPipeline,
-    StageOptimizers,
     build_pipeline,
     load_model_state_dict,
     load_optimizer_state_dict,
@@ -160,7 +159,7 @@ def evaluate_both(pipe: GPTPipeline, rows: slice, holders: int) -> dict[str, Opt
 # ------------------------------------------------------------------------------------------------------- cases
 
 
-def train_step(pipe: GPTPipeline, optimizers: StageOptimizers, step: int, rows: slice, dp: int,
+def train_step(pipe: GPTPipeline, optimizers: Optimizers, step: int, rows: slice, dp: int,
                sync: bool = True) -> tuple[float, float]:
     """One optimizer step on this rank's rows of the global batch `step`: (the loss over every data-parallel rank,
     the gradient norm before clipping)."""
@@ -176,7 +175,7 @@ def train_step(pipe: GPTPipeline, optimizers: StageOptimizers, step: int, rows: 
 def train(pipe: GPTPipeline, ref: dict[str, Any], dp: int, dp_rank: int, sync: bool = True) -> dict[str, Any]:
     """STEPS steps of the global batch (this data-parallel rank's rows), evaluated before the EVAL_AT steps; the
     figures (eval_diff: the largest difference from the reference over the evaluations, by path)."""
-    optimizers = StageOptimizers([optimizer_of(stage) for stage in pipe.stages])
+    optimizers = Optimizers([(stage, optimizer_of(stage)) for stage in pipe.stages])
     per_rank = BATCH // dp
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     losses, norms, evals = [], [], []
@@ -253,7 +252,7 @@ def evaluation_shapes(mesh: Any) -> dict[str, Any]:
     micro-batches) and 8 again, then trains on; a batch of another shape for training is a one-line error."""
     schedule = "1F1B" if offered("1F1B") else "GPipe"
     pipe = build_pipeline(build(), mesh, torch.device("cpu"), schedule, microbatches=4)
-    optimizers = StageOptimizers([optimizer_of(stage) for stage in pipe.stages])
+    optimizers = Optimizers([(stage, optimizer_of(stage)) for stage in pipe.stages])
     model = build()
     optimizer = optimizer_of(model)
     train_step(pipe, optimizers, 0, slice(None), 1)
@@ -345,7 +344,7 @@ def save_and_continue(mesh: Any, out: Path) -> dict[str, Any]:
 
     schedule = "1F1B" if offered("1F1B") else "GPipe"
     pipe = build_pipeline(build(), mesh, torch.device("cpu"), schedule, microbatches=2, prepare_stage=shard(mesh["dp"]))
-    optimizers = StageOptimizers([optimizer_of(stage) for stage in pipe.stages])
+    optimizers = Optimizers([(stage, optimizer_of(stage)) for stage in pipe.stages])
     rows = slice(mesh.get_local_rank("dp") * BATCH // 2, (mesh.get_local_rank("dp") + 1) * BATCH // 2)
     for step in range(2):
         train_step(pipe, optimizers, step, rows, 2)
@@ -360,7 +359,7 @@ def save_and_continue(mesh: Any, out: Path) -> dict[str, Any]:
     return {"save_seconds": round(seconds, 3)}
 
 
-def pipeline_state(pipe: GPTPipeline, optimizers: StageOptimizers) -> dict[str, Any]:
+def pipeline_state(pipe: GPTPipeline, optimizers: Optimizers) -> dict[str, Any]:
     """What a snapshot holds: the stages' model and optimizer states, by the whole GPT's names."""
     return {"model": model_state_dict(pipe), "optimizer": optimizer_state_dict(pipe, optimizers)}
 
@@ -374,12 +373,12 @@ def resume_elsewhere(mesh: Any, ref: dict[str, Any], out: Path) -> Optional[dict
     if not offered("Interleaved1F1B"):
         return None
     first = build_pipeline(build(), mesh, torch.device("cpu"), "Interleaved1F1B", microbatches=4)
-    optimizers = StageOptimizers([optimizer_of(stage) for stage in first.stages])
+    optimizers = Optimizers([(stage, optimizer_of(stage)) for stage in first.stages])
     for step in range(2):
         train_step(first, optimizers, step, slice(None), 1)
     dcp.save(pipeline_state(first, optimizers), checkpoint_id=str(out / "dcp_interleaved"))
     second = build_pipeline(build(seed=1), mesh, torch.device("cpu"), "1F1B", microbatches=2)
-    optimizers = StageOptimizers([optimizer_of(stage) for stage in second.stages])
+    optimizers = Optimizers([(stage, optimizer_of(stage)) for stage in second.stages])
     state = pipeline_state(second, optimizers)
     dcp.load(state, checkpoint_id=str(out / "dcp_interleaved"))
     load_model_state_dict(second, state["model"])

@@ -4,7 +4,7 @@ micro-batches by one of torch.distributed.pipelining's schedules.
     layers = stage_layers(cfg.n_layer, pp * stages_per_rank)       # blocks per stage, as even as they allow
     pipe = build_pipeline(GPT(cfg), mesh, torch.device("cpu"), schedule="1F1B", microbatches=4,
                           prepare_stage=lambda stage: fully_shard(stage, mesh=mesh["dp"]))  # collective
-    optimizers = StageOptimizers([make_optimizer(stage) for stage in pipe.stages])  # one per stage (see below)
+    optimizers = Optimizers([(stage, make_optimizer(stage)) for stage in pipe.stages])  # one per stage
     loss = pipe.step(x, y)           # forward + backward of this rank's batch; the mean loss on the last stage
     pipe.sync_tied_gradients()       # once per optimizer step: the embedding's gradient, summed over its two copies
     pipe.clip_grad_norm_(1.0)        # the norm over every stage, the tied weight counted once
@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from mingpt.compat import TORCH, require_torch
 from mingpt.errors import UsageError
+from mingpt.optim import Optimizers
 from mingpt.parallel.data_parallel import is_dtensor, local_tensor
 from model import GPT
 
@@ -435,31 +436,6 @@ def _schedule(name: str, stages: list[Any], microbatches: int) -> Any:
 # ------------------------------------------------------------------------------------------------------- state
 
 
-class StageOptimizers:
-    """The optimizers of this rank's stage modules (one each), used as one: what the trainer calls of an optimizer
-    (`param_groups`, `step`, `zero_grad`). Their state, by parameter name: `optimizer_state_dict`."""
-
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self.optimizers = list(optimizers)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """Every optimizer's groups (the dicts themselves: setting a learning rate here sets it there)."""
-        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
-
-    @property
-    def state(self) -> dict:
-        return {param: state for optimizer in self.optimizers for param, state in optimizer.state.items()}
-
-    def step(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=set_to_none)
-
-
 def _flattened() -> Any:
     """Optimizer state keyed `state.<param name>.<field>` and `param_groups.<param name>.<setting>`: merges over
     stages and loads into any layout by name (torch made the flat form for pipelines)."""
@@ -476,7 +452,7 @@ def model_state_dict(pipe: GPTPipeline) -> dict[str, Any]:
     return {key: value for stage in pipe.stages for key, value in get_model_state_dict(stage).items()}
 
 
-def optimizer_state_dict(pipe: GPTPipeline, optimizers: StageOptimizers) -> dict[str, Any]:
+def optimizer_state_dict(pipe: GPTPipeline, optimizers: Optimizers) -> dict[str, Any]:
     """This rank's optimizers' state, merged over its stages, in the flat form keyed by parameter name."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -494,7 +470,7 @@ def load_model_state_dict(pipe: GPTPipeline, state: dict[str, Any]) -> None:
         set_model_state_dict(stage, {key: state[key] for key in stage.state_dict()})
 
 
-def load_optimizer_state_dict(pipe: GPTPipeline, optimizers: StageOptimizers, state: dict[str, Any]) -> None:
+def load_optimizer_state_dict(pipe: GPTPipeline, optimizers: Optimizers, state: dict[str, Any]) -> None:
     """Each stage's optimizer takes the entries of its parameters from a flat state keyed by name (others unread)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
