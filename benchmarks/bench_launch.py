@@ -316,11 +316,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     elif args.only == "step":
         print("error: --only step needs --nanogpt DIR", file=sys.stderr)
         return 2
+    print_report(report, args.json)
+    return 0
+
+
+def print_report(report: dict, path: Optional[Path]) -> None:
+    """The report as JSON on stdout, and in `path` too when one is given."""
     text = json.dumps(report, indent=2)
     print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
-    return 0
+    if path:
+        path.write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 
 import argparse
 import functools
-import json
 import os
 import re
 import shutil
@@ -73,7 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from benchmarks.bench_launch import NANOGPT, prepare_nanogpt, spread
+from benchmarks.bench_launch import NANOGPT, prepare_nanogpt, print_report, spread
 from mingpt import PROJECT_DIR
 from mingpt.reporting.logs import read_metrics
 
@@ -502,11 +501,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     report["summary"] = summarize(report["pairs_run"])
-    text = json.dumps(report, indent=2)
     print(table(report), file=sys.stderr)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    print_report(report, args.json)
     return 0
 
 

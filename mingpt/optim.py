@@ -256,14 +256,15 @@ class MeshMuon(torch.optim.Optimizer):
     keeps its part of the update and of the momentum. Plain tensors take torch's Muon as it is."""
 
     def __init__(self, params: Any, **settings: Any) -> None:
-        self.settings = settings
         self.inner = _muon_class()(params, **settings)  # torch's own checks (2-D only) and its step for plain tensors
         super().__init__(self.inner.param_groups, self.inner.defaults)
+        # Built after the model is wrapped, so its parameters stay what they are. A DTensor has a device mesh
+        # (checked so, as importing torch.distributed.tensor costs every run time).
+        self.has_dtensors = any(hasattr(p, "device_mesh") for group in self.param_groups for p in group["params"])
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        # A DTensor has a device mesh (checked so, as importing torch.distributed.tensor costs every run time)
-        if not any(hasattr(p, "device_mesh") for group in self.param_groups for p in group["params"]):
+        if not self.has_dtensors:
             # torch's Muon on this optimizer's groups and state (load_state_dict replaces both objects)
             self.inner.param_groups, self.inner.state = self.param_groups, self.state
             return self.inner.step(closure)
