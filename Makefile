@@ -4,7 +4,7 @@ VENV ?= .venv
 
 .PHONY: install run test clean
 
-$(VENV)/.installed: requirements.txt requirements-test.txt
+$(VENV)/.installed: requirements.txt requirements-interop.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -r requirements.txt
 	touch $@

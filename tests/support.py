@@ -28,7 +28,7 @@ ROOT_ENTRIES = frozenset({
     "main.py", "trainer.py", "model.py", "char_dataset.py", "gpt2_train_cfg.yaml", "data", "tests", "requirements.txt",
     "sample.py", "sample_cfg.yaml", "snapshot.py", "prepare.py", "plot.py", "gpu_check.sh", "preset", "slurm",
     "mingpt", "benchmarks", "docs", "README.md", "Makefile", "pyproject.toml", "pytest.ini",
-    "requirements-oldest.txt", "requirements-test.txt", "requirements-without-torch.txt",
+    "requirements-oldest.txt", "requirements-test.txt", "requirements-without-torch.txt", "requirements-interop.txt",
 })
 
 
