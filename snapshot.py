@@ -4,7 +4,11 @@
     python snapshot.py info s3://bucket/run1/snapshot-000002000.pt
     python snapshot.py list s3://bucket/run1/                            # the snapshots there, newest first
     python snapshot.py consolidate snapshots/fsdp/snapshot-000000400.dcp one-file.pt
-    python snapshot.py export snapshots/default hf-folder/               # model.safetensors and config.json
+    python snapshot.py export snapshots/default/snapshot-000002000.pt weights/   # model.safetensors, config.json
+    python snapshot.py export snapshots/default/snapshot-000002000.pt hf/ --format hf   # a transformers folder
+
+`export --format hf` writes a folder that transformers' AutoModelForCausalLM and AutoTokenizer load offline
+(GPT-2, GPT-NeoX, Arcee or Apertus, as the model options say; mingpt/checkpoint/hf_export.py).
 
 Exit code 2 and one line on stderr for a snapshot that cannot be read or a location that cannot be used.
 """
@@ -54,6 +58,9 @@ def cli(argv: Optional[list[str]] = None) -> int:
     weights = commands.add_parser("export", help="write a snapshot's weights as safetensors, with a config.json")
     weights.add_argument("source", help="snapshot: local path or fsspec URL")
     weights.add_argument("target", help="folder to write model.safetensors and config.json to")
+    weights.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                         help="safetensors: our names, our config (the default); hf: a Hugging Face transformers "
+                              "folder (model, config, tokenizer) that AutoModelForCausalLM loads")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
@@ -67,6 +74,10 @@ def cli(argv: Optional[list[str]] = None) -> int:
                 print(json.dumps(row))
         elif args.command == "consolidate":
             print(consolidate(args.source, args.target))
+        elif args.format == "hf":
+            from mingpt.checkpoint.hf_export import export_hf  # transformers: imported by this command alone
+
+            print(export_hf(args.source, args.target))
         else:
             print(export(args.source, args.target))
     except (UsageError, CorruptSnapshot) as e:
