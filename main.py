@@ -56,6 +56,7 @@ from mingpt.optim import build_optimizer, check_optimizer_fits, lr_factor
 from mingpt.parallel.layout import writes_shards
 from mingpt.reporting.logs import setup_logging
 from mingpt.reporting.plot import LossPlotter
+from mingpt.reporting.trackers import Tracking
 from mingpt.storage.locations import resolve_path
 from model import GPT
 from sample import generate_text, one_core_spared
@@ -117,12 +118,14 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
     log.info("run directory: %s (rank 0 is process %d, started by %d)", run_dir, os.getpid(), os.getppid())
     log.info("data: %s", corpus.describe())
     trainer = build_trainer(cfg, corpus, ctx, run_dir, store=store)
+    tracking = Tracking(cfg.tracking_config, redacted(dataclasses.asdict(cfg)), trainer.metrics, store, run_dir)
     on_abrupt_exit(trainer.checkpoints.finish_quietly)  # a snapshot being written is finished first
     trainer.fit()
     if trainer.trained_steps and not trainer.stopped_early:
         model = trainer.full_model_copy(lambda: GPT(trainer.model_config))  # gathered from shards and stages
         if trainer.ctx.is_main:
             report_results(trainer, model, corpus, run_dir)
+    tracking.finish(trainer.stopped_early)  # after the plot: it goes to the trackers too
 
 
 def report_results(trainer: Trainer, model: GPT, corpus: CharCorpus, run_dir: Path) -> None:

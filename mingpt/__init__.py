@@ -6,7 +6,7 @@
     checkpoint    what a snapshot holds, when one is taken, writing and reading it (one file or DCP shards)
     storage       what a location is (local path or fsspec URL) and writes that survive a crash
     data          the encoded-corpus cache that char_dataset.py serves windows from
-    reporting     logging, progress, metrics.jsonl and TensorBoard, loss plots
+    reporting     logging, progress, metrics.jsonl and TensorBoard, loss plots, MLflow and W&B
     optim         the optimizer and its learning-rate schedule
     compat        every difference between the supported torch releases, in one place
     errors        the errors a user sees as one line

@@ -1,4 +1,4 @@
-"""The training config: its schema (the five components' dataclasses), composing gpt2_train_cfg.yaml with the
+"""The training config: its schema (the six components' dataclasses), composing gpt2_train_cfg.yaml with the
 command line into validated dataclasses with one-line errors, sweep job names, the `--help` text and masking of
 storage options. Each field's help is the docstring under it in its dataclass: `--help` prints it, and
 gpt2_train_cfg.yaml carries it as the key's comment (tests/test_config.py fails if the two drift apart).
@@ -24,6 +24,7 @@ from mingpt.distributed.process_group import global_rank
 from mingpt.errors import UsageError, first_line
 from mingpt.optim import OptimizerConfig
 from mingpt.parallel.layout import ParallelConfig
+from mingpt.reporting.trackers import TrackingConfig
 from model import GPTConfig
 from trainer import TrainerConfig
 
@@ -39,6 +40,7 @@ class TrainConfig:
     optimizer_config: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer_config: TrainerConfig = field(default_factory=TrainerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    tracking_config: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 def register() -> None:

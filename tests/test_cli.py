@@ -56,8 +56,10 @@ def test_torchrun_two_processes(tmp_path):
 
 
 # Imported by a one-process eager run, each would add 0.3-2 s to every start (bench_launch.py): DCP (sharded
-# snapshots only), TensorBoard (events are written directly), matplotlib (the plot is drawn by another process).
-NOT_IMPORTED = ["torch.distributed.checkpoint", "torch.utils.tensorboard", "tensorboard", "matplotlib"]
+# snapshots only), TensorBoard (events are written directly), matplotlib (the plot is drawn by another process),
+# the experiment trackers (optional packages; a run that asks for one imports it in its tracker process only).
+NOT_IMPORTED = ["torch.distributed.checkpoint", "torch.utils.tensorboard", "tensorboard", "matplotlib", "mlflow",
+                "wandb"]
 WATCH_IMPORTS = (
     "import atexit, runpy, sys\n"
     f"atexit.register(lambda: print('imported:', [m for m in {NOT_IMPORTED!r} if m in sys.modules]))\n"

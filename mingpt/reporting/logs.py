@@ -1,6 +1,6 @@
 """What a run tells its user: logging (rank 0 to the console and train.log, other ranks warnings only), per-step
-progress (a bar or lines), metrics rows (metrics.jsonl and TensorBoard), and the one reader of metrics.jsonl that
-plot.py, chaos.py and the tests use."""
+progress (a bar or lines), metrics rows (metrics.jsonl and TensorBoard, then any experiment tracker), and the one
+reader of metrics.jsonl that plot.py, chaos.py and the tests use."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from mingpt.reporting.tensorboard_events import EventFile
 
@@ -60,7 +60,8 @@ def setup_logging(rank: int, run_dir: Optional[Path]) -> None:
 
 class MetricsLog:
     """Rank 0's metrics: JSON rows appended to `metrics.jsonl`, and the same values as TensorBoard scalars
-    (tensorboard_events.py). A no-op on other ranks."""
+    (tensorboard_events.py), then handed to each of `listeners` (the experiment trackers, trackers.py). A no-op on
+    other ranks."""
 
     TENSORBOARD_TAGS = {
         "train_loss": "loss/train", "val_loss": "loss/val", "lr": "lr", "tokens_per_s": "throughput/tokens_per_s",
@@ -70,6 +71,7 @@ class MetricsLog:
     def __init__(self, run_dir: Optional[Path], enabled: bool) -> None:
         self.path = run_dir / METRICS_FILE if (run_dir is not None and enabled) else None
         self._tensorboard: Optional[EventFile] = None
+        self.listeners: list[Callable[[dict], None]] = []  # each gets every row once it is in metrics.jsonl
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._tensorboard = EventFile(self.path.parent)
@@ -82,6 +84,8 @@ class MetricsLog:
         if self._tensorboard is not None:
             scalars = {tag: row[key] for key, tag in self.TENSORBOARD_TAGS.items() if key in row}
             self._tensorboard.add_scalars(scalars, row["step"])
+        for listener in self.listeners:
+            listener(row)
 
     def close(self) -> None:
         if self._tensorboard is not None:
