@@ -16,9 +16,10 @@ from support import PROJECT_DIR, TINY, free_port, read_summary, subprocess_env, 
 
 from mingpt.checkpoint import store as snapshot
 
-# 4.5-6 ms a step on 2 cores since the gradient barrier moved into /dev/shm, so 54-72 s of training: longer than a
-# 1-minute job runs before its early signal (below). 4,000 steps (20.6 s) once finished before the signal came.
-STEPS = 12000
+# 12.6 ms a step on 2 quiet cores (torchrun's own workers, gloo's all-reduce), so about 75 s of training: longer than
+# a 1-minute job runs before its early signal (below, at most 40 s in), with room for a CI machine a third faster.
+# 4,000 steps once finished before the signal came (at 5 ms a step); 12,000 made this file a quarter of the suite.
+STEPS = 6000
 TRAINING = [*TINY, f"trainer_config.max_steps={STEPS}", "trainer_config.max_epochs=100",
             "trainer_config.log_every_steps=500", "trainer_config.eval_every_steps=1000"]
 # A 1-minute time limit with SIGUSR1 50 s before it: SLURM checks time limits every 30 s, so the signal comes 10 to
