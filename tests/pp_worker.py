@@ -41,9 +41,7 @@ from mingpt.parallel.pipeline import (  # noqa: E402
     GPTPipeline,
     build_pipeline,
     load_model_state_dict,
-    load_optimizer_state_dict,
     model_state_dict,
-    optimizer_state_dict,
 )
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -357,6 +355,35 @@ def save_and_continue(mesh: Any, out: Path) -> dict[str, Any]:
     if dist.get_rank() == 0:
         torch.save({"saved": saved, "after": after, "loss": loss}, out / "next.pt")
     return {"save_seconds": round(seconds, 3)}
+
+
+# The stages' optimizers as one dict in torch's flattened form (keyed by parameter name, made for pipelines), which
+# DCP saves and loads here without the trainer: this worker checks the schedules, the trainer's snapshots go
+# through OptimizerState.
+def _flattened() -> Any:
+    """Optimizer state keyed `state.<param name>.<field>` and `param_groups.<param name>.<setting>`: merges over
+    stages and loads into any layout by name (torch made the flat form for pipelines)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def optimizer_state_dict(pipe: GPTPipeline, optimizers: Optimizers) -> dict[str, Any]:
+    """This rank's optimizers' state, merged over its stages, in the flat form keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    merged: dict[str, Any] = {}
+    for stage, optimizer in zip(pipe.stages, optimizers.optimizers):
+        merged.update(get_optimizer_state_dict(stage, optimizer, options=_flattened()))
+    return merged
+
+
+def load_optimizer_state_dict(pipe: GPTPipeline, optimizers: Optimizers, state: dict[str, Any]) -> None:
+    """Each stage's optimizer takes the entries of its parameters from a flat state keyed by name (others unread)."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    for stage, optimizer in zip(pipe.stages, optimizers.optimizers):
+        set_optimizer_state_dict(stage, optimizer, state, options=_flattened())
 
 
 def pipeline_state(pipe: GPTPipeline, optimizers: Optimizers) -> dict[str, Any]:

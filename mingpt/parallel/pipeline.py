@@ -28,8 +28,8 @@ by hand: without it the reducer asserts, or with static_graph trains wrong), so 
 
 One optimizer per stage module: torch.distributed.checkpoint's `get_optimizer_state_dict(model, optimizer)` names
 an optimizer's parameters from one module, and fails on a parameter of another (Interleaved1F1B holds several stage
-modules per rank). `optimizer_state_dict` merges the stages' optimizers into one dict keyed by parameter name
-(torch's flattened form, made for pipelines), which loads into any layout, one process included.
+modules per rank). The trainer's snapshots hold them as `OptimizerState` does for every layout (data_parallel.py):
+each stage's optimizers by the whole GPT's parameter names, which load into any layout, one process included.
 
 Needs torch 2.7 (the schedules' `scale_grads`, FSDP2 on a CPU); on a CPU (gloo) 1F1B and Interleaved1F1B need 2.8:
 torch 2.7's schedules wait on only the last of a batch of sends and receives, which deadlocks under gloo (fixed by
@@ -49,7 +49,6 @@ import torch.nn.functional as F
 
 from mingpt.compat import TORCH, require_torch
 from mingpt.errors import UsageError
-from mingpt.optim import Optimizers
 from mingpt.parallel.data_parallel import is_dtensor, local_tensor
 from model import GPT
 
@@ -436,14 +435,6 @@ def _schedule(name: str, stages: list[Any], microbatches: int) -> Any:
 # ------------------------------------------------------------------------------------------------------- state
 
 
-def _flattened() -> Any:
-    """Optimizer state keyed `state.<param name>.<field>` and `param_groups.<param name>.<setting>`: merges over
-    stages and loads into any layout by name (torch made the flat form for pipelines)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True)
-
-
 def model_state_dict(pipe: GPTPipeline) -> dict[str, Any]:
     """This rank's part of the whole GPT's state dict, by the GPT's names (DTensor shards under FSDP): what
     torch.distributed.checkpoint saves; the ranks' parts (the tied weight in two of them, equal) make the whole."""
@@ -452,27 +443,9 @@ def model_state_dict(pipe: GPTPipeline) -> dict[str, Any]:
     return {key: value for stage in pipe.stages for key, value in get_model_state_dict(stage).items()}
 
 
-def optimizer_state_dict(pipe: GPTPipeline, optimizers: Optimizers) -> dict[str, Any]:
-    """This rank's optimizers' state, merged over its stages, in the flat form keyed by parameter name."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    merged: dict[str, Any] = {}
-    for stage, optimizer in zip(pipe.stages, optimizers.optimizers):
-        merged.update(get_optimizer_state_dict(stage, optimizer, options=_flattened()))
-    return merged
-
-
 def load_model_state_dict(pipe: GPTPipeline, state: dict[str, Any]) -> None:
     """Each stage takes its own entries of `state` (a whole GPT's, or `model_state_dict`'s filled by dcp.load)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     for stage in pipe.stages:
         set_model_state_dict(stage, {key: state[key] for key in stage.state_dict()})
-
-
-def load_optimizer_state_dict(pipe: GPTPipeline, optimizers: Optimizers, state: dict[str, Any]) -> None:
-    """Each stage's optimizer takes the entries of its parameters from a flat state keyed by name (others unread)."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-    for stage, optimizer in zip(pipe.stages, optimizers.optimizers):
-        set_optimizer_state_dict(stage, optimizer, state, options=_flattened())
