@@ -233,13 +233,18 @@ def test_a_trained_snapshot_gives_our_logits_and_sample_pys_greedy_text(trained,
     assert sampled == text + "\n"
 
 
+def script_output(script: str, args: list[str], tmp_path: Path) -> str:
+    """What `python SCRIPT ARGS` prints, run as a process (exit code 0)."""
+    result = subprocess.run(cli(args, script=script), cwd=tmp_path, env=subprocess_env(tmp_path),
+                            capture_output=True, text=True, timeout=120)
+    assert_ok(result)
+    return result.stdout
+
+
 def export_command(args: list[str], tmp_path: Path, as_process: bool) -> str:
     """What `python snapshot.py ARGS` prints (exit code 0), run as a process or by its function here."""
     if as_process:
-        result = subprocess.run(cli(args, script="snapshot.py"), cwd=tmp_path, env=subprocess_env(tmp_path),
-                                capture_output=True, text=True, timeout=120)
-        assert_ok(result)
-        return result.stdout
+        return script_output("snapshot.py", args, tmp_path)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert snapshot.cli(args) == 0
@@ -249,10 +254,7 @@ def export_command(args: list[str], tmp_path: Path, as_process: bool) -> str:
 def sample_command(overrides: list[str], tmp_path: Path, as_process: bool) -> str:
     """What `python sample.py OVERRIDES` prints (exit code 0), run as a process or by its function here."""
     if as_process:
-        result = subprocess.run(cli(overrides, script="sample.py"), cwd=tmp_path, env=subprocess_env(tmp_path),
-                                capture_output=True, text=True, timeout=120)
-        assert_ok(result)
-        return result.stdout
+        return script_output("sample.py", overrides, tmp_path)
     settings = dict(override.split("=", 1) for override in overrides)
     config = sample.SampleConfig(**{**settings, "max_new_tokens": int(settings["max_new_tokens"]),
                                     "top_k": int(settings["top_k"])})
