@@ -60,9 +60,11 @@ def test_torchrun_two_processes(tmp_path):
 # the experiment trackers (optional packages; a run that asks for one imports it in its tracker process only).
 NOT_IMPORTED = ["torch.distributed.checkpoint", "torch.utils.tensorboard", "tensorboard", "matplotlib", "mlflow",
                 "wandb"]
-WATCH_IMPORTS = (
-    "import atexit, runpy, sys\n"
-    f"atexit.register(lambda: print('imported:', [m for m in {NOT_IMPORTED!r} if m in sys.modules]))\n"
+WATCH_IMPORTS = (  # reported at exit: main.py ends a clean run with os._exit (no teardown), others through atexit
+    "import atexit, os, runpy, sys\n"
+    f"report = lambda: print('imported:', [m for m in {NOT_IMPORTED!r} if m in sys.modules], flush=True)\n"
+    "atexit.register(report)\n"
+    "os._exit = lambda code, _exit=os._exit: (report(), _exit(code))\n"
     "sys.argv = sys.argv[1:]\n"
     "sys.path.insert(0, sys.argv[0].rsplit('/', 1)[0])\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')\n"
