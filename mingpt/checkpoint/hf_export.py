@@ -332,5 +332,5 @@ def export_hf(source: str, target: str) -> str:
     files = hf_files(store.read_snapshot(source))
     output = store.SnapshotStore(resolve_path(target))
     for name, data in files.items():
-        store._write_output(output, name, data)
+        store.write_output(output, name, data)
     return output.location

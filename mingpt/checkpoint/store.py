@@ -742,11 +742,11 @@ def consolidate(source: str, target: str) -> str:
     if not name.endswith(".pt"):
         location, name = resolve_path(target).rstrip("/"), snapshot_name(snapshot["progress"]["step"])
     store = SnapshotStore(location or "/")
-    _write_output(store, name, to_bytes(snapshot))
+    write_output(store, name, to_bytes(snapshot))
     return store.url(name)
 
 
-def _write_output(store: SnapshotStore, name: str, data: bytes) -> None:
+def write_output(store: SnapshotStore, name: str, data: bytes) -> None:
     """A tool's output file; a location it cannot be written to is one line."""
     try:
         store.write(name, data)
@@ -772,6 +772,6 @@ def export(source: str, target: str) -> str:
               "val_loss": snapshot["progress"].get("val_loss"), "weights_sha256": weights_sha256(model),
               "source": resolve_path(source)}
     store = SnapshotStore(resolve_path(target))
-    _write_output(store, "model.safetensors", safetensors_bytes(stored, metadata={"format": "pt"}))
-    _write_output(store, "config.json", json.dumps(config, indent=1).encode())
+    write_output(store, "model.safetensors", safetensors_bytes(stored, metadata={"format": "pt"}))
+    write_output(store, "config.json", json.dumps(config, indent=1).encode())
     return store.location
