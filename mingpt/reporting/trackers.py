@@ -41,6 +41,7 @@ from typing import Any, Optional, TextIO
 
 from mingpt import PROJECT_DIR
 from mingpt.errors import UsageError, describe
+from mingpt.storage.durable import temporary_name
 
 log = logging.getLogger(__name__)
 
@@ -424,7 +425,7 @@ class WandbRun:
     def log(self, row: dict, when: float) -> None:
         key = row_key(row)
         self.run.log(dict(row), step=wandb_step(key))
-        temporary = self.state.with_name(f".{self.state.name}.tmp")
+        temporary = self.state.with_name(temporary_name(self.state.name))
         temporary.write_text(json.dumps({"logged": list(key)}))
         os.replace(temporary, self.state)
 
