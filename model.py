@@ -24,6 +24,7 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "sdpa", "matmul")
 POSITIONS = ("learned", "rotary")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "relu2")
+MAX_BIGRAM_VOCAB = 1024  # bigram_embedding: vocab_size * (vocab_size + 1) rows, about a million at most
 
 
 @dataclass
@@ -65,6 +66,11 @@ class GPTConfig:
     """when set, logits = cap * tanh(logits / cap), in training and generation; null = off"""
     zero_init_proj: bool = False
     """zero-initialise the residual output projections (attention's and the MLP's c_proj); false: GPT-2's scaled init"""
+    bigram_embedding: bool = False
+    """add a learned embedding of each (previous token, token) pair to the token's (vocabularies up to 1,024 tokens)
+
+    vocab_size x (vocab_size + 1) rows, zero-initialised: the modded-nanogpt speedrun's bigram embedding, unhashed.
+    The previous character at the cost of a lookup, leaving attention the longer range."""
     vocab_size: Optional[int] = None
     """set from the data; leave null"""
     block_size: Optional[int] = None
@@ -88,6 +94,9 @@ class GPTConfig:
 
     def _check_options(self) -> None:
         """The settings that shape one of the options: each refused in one line."""
+        if self.bigram_embedding and self.vocab_size is not None and self.vocab_size > MAX_BIGRAM_VOCAB:
+            raise UsageError(f"gpt_config.bigram_embedding=true needs a vocabulary of at most {MAX_BIGRAM_VOCAB} "
+                             f"tokens (a row per pair of them), got {self.vocab_size}")
         if self.positions == "rotary" and (self.n_embd // self.n_head) % 2:
             raise UsageError(f"gpt_config.positions=rotary needs an even head size (n_embd / n_head), got "
                              f"{self.n_embd // self.n_head}: it rotates q and k in pairs")
@@ -193,13 +202,19 @@ def causal_attention_matmul(
     Costs (batch x heads x T x T) activations per layer, so it suits short contexts, not GPU-sized ones.
     """
     scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)
-    # The mask in the scores' dtype: an fp32 mask would promote bf16 scores to fp32, and the softmax's backward then
-    # took 1.45 ms, against 0.41 ms after, in a torch.profiler trace of the quick start's step (bf16 scores are
-    # rounded to bf16 either way).
     weights = torch.softmax(scores + causal_bias.to(scores.dtype), dim=-1)
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
     return weights @ v
+
+
+def bigram_ids(idx: torch.Tensor, previous: Optional[torch.Tensor], vocab_size: int) -> torch.Tensor:
+    """The bigram embedding's row for each token of idx (B, T): previous * vocab_size + token, where previous is the
+    token before it; vocab_size * vocab_size + token for the first of a window, whose previous token the model does
+    not see (previous None), as in training, where every window starts so."""
+    if previous is None:
+        previous = torch.full_like(idx[:, :1], vocab_size)
+    return torch.cat((previous, idx[:, :-1]), dim=1) * vocab_size + idx
 
 
 class ReLUSquared(nn.Module):
@@ -256,6 +271,8 @@ class GPT(nn.Module):
         parts: dict[str, nn.Module] = {"wte": nn.Embedding(cfg.vocab_size, cfg.n_embd)}
         if cfg.positions == "learned":  # rotary positions enter in attention, with nothing to learn
             parts["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)
+        if cfg.bigram_embedding:  # a row per (previous token, token) pair; a window's first token has rows of its own
+            parts["bigram"] = nn.Embedding(cfg.vocab_size * (cfg.vocab_size + 1), cfg.n_embd)
         parts["drop"] = nn.Dropout(cfg.dropout)
         parts["h"] = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         parts["ln_f"] = make_norm(cfg)
@@ -265,6 +282,8 @@ class GPT(nn.Module):
             self.transformer.wte.weight = self.lm_head.weight
         self.apply(self._init_weights)
         self._init_residual_projections()
+        if cfg.bigram_embedding:  # zero: the model starts as one without it, and the pairs learn what they add
+            nn.init.zeros_(self.transformer.bigram.weight)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -309,13 +328,17 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
-    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, start: int = 0, previous: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The residual stream's start for tokens idx (B, T) at positions start ... start + T - 1: their embeddings,
-        plus those of their positions when learned (rotary positions enter in attention instead)."""
+        plus those of their positions when learned (rotary positions enter in attention instead), plus those of their
+        (previous token, token) pairs under bigram_embedding. previous (B, 1): the token before idx[:, 0] where the
+        model saw it (generation with a cache); None where idx starts a window."""
         time = idx.size(1)
         if start + time > self.config.block_size:
             raise ValueError(f"sequence length {start + time} exceeds block_size {self.config.block_size}")
         x = self.transformer.wte(idx)
+        if self.config.bigram_embedding:
+            x = x + self.transformer.bigram(bigram_ids(idx, previous, self.config.vocab_size))
         if self.config.positions == "learned":
             x = x + self.transformer.wpe(torch.arange(start, start + time, device=idx.device))
         return x
@@ -353,7 +376,7 @@ class GPT(nn.Module):
                 caches = [{} for _ in self.transformer.h]
                 logits = self._extend(idx[:, -self.config.block_size :], caches, start=0)
             else:  # the new token only: keys and values of the others are cached
-                logits = self._extend(idx[:, -1:], caches, start=idx.size(1) - 1)
+                logits = self._extend(idx[:, -1:], caches, start=idx.size(1) - 1, previous=idx[:, -2:-1])
             logits = logits[:, -1, :].float() / temperature
             if top_k is not None:
                 kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
@@ -363,10 +386,12 @@ class GPT(nn.Module):
             idx = torch.cat((idx, next_id), dim=1)
         return idx
 
-    def _extend(self, idx: torch.Tensor, caches: list[dict], start: int) -> torch.Tensor:
-        """Inference (`generate`): the logits of the last of `idx`'s positions, which start at position `start`,
-        with each block's keys and values cached in `caches` (the same function as `forward`, without dropout)."""
-        x = self.embed(idx, start)
+    def _extend(self, idx: torch.Tensor, caches: list[dict], start: int,
+                previous: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Inference (`generate`): the logits of the last of `idx`'s positions, which start at position `start`
+        (after the token `previous`, where one is), with each block's keys and values cached in `caches` (the same
+        function as `forward`, without dropout)."""
+        x = self.embed(idx, start, previous)
         for block, cache in zip(self.transformer.h, caches):
             x = x + block.attn.extend(block.ln_1(x), cache)
             x = x + block.mlp(block.ln_2(x))
@@ -383,5 +408,7 @@ class GPT(nn.Module):
         """
         cfg = self.config
         lookup = 0 if cfg.tie_embeddings else self.transformer.wte.weight.numel()
+        if cfg.bigram_embedding:
+            lookup += self.transformer.bigram.weight.numel()
         matmul_params = self.num_params(exclude_position_embedding=True) - lookup
         return 6 * matmul_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size

@@ -21,6 +21,7 @@ import torch.nn as nn
 from mingpt.errors import UsageError
 
 OPTIMIZERS = ("adamw", "muon")
+BIGRAM_TABLE = "transformer.bigram.weight"  # model.py's bigram embedding (gpt_config.bigram_embedding)
 SCHEDULES = ("cosine", "wsd")
 
 
@@ -52,6 +53,12 @@ class OptimizerConfig:
     """wsd: the fraction of the steps up to decay_steps over which the rate falls linearly to min_lr"""
     min_lr: float = 1e-4
     """learning-rate floor after decay (every group falls to the same fraction min_lr / learning_rate of its peak)"""
+    bigram_lr_scale: float = 10.0
+    """gpt_config.bigram_embedding: the table's peak rate as a multiple of learning_rate (AdamW, under muon too)
+
+    Each pair's row learns only from the positions where that pair occurs: a larger rate than the rest's pays."""
+    bigram_weight_decay: float = 0.1
+    """gpt_config.bigram_embedding: AdamW weight decay on the table"""
     muon_learning_rate: float = 0.02
     """muon: peak learning rate of the blocks' matrices (torch's Muon scales it by sqrt(max(1, rows / columns)))"""
     muon_momentum: float = 0.95
@@ -80,10 +87,11 @@ class OptimizerConfig:
                                  f"got {getattr(self, name)!r}")
 
     def _check_rates(self) -> None:
-        for name in ("learning_rate", "muon_learning_rate", "muon_ns_steps"):
+        for name in ("learning_rate", "muon_learning_rate", "muon_ns_steps", "bigram_lr_scale"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"optimizer_config.{name} must be positive, got {getattr(self, name)}")
-        for name in ("weight_decay", "muon_weight_decay", "warmup_steps", "muon_momentum_warmup_steps"):
+        for name in ("weight_decay", "muon_weight_decay", "bigram_weight_decay", "warmup_steps",
+                     "muon_momentum_warmup_steps"):
             if getattr(self, name) < 0:
                 raise UsageError(f"optimizer_config.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("beta1", "beta2", "muon_momentum", "muon_momentum_start"):
@@ -205,7 +213,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> Optimizers:
     """The optimizers of `model` (a GPT, a pipeline stage of one, or either sharded) that `cfg.name` says."""
     if cfg.name == "muon":
         return build_muon(model, cfg)
-    return Optimizers([(model, adamw(decay_groups(model.named_parameters(), cfg.weight_decay), cfg))])
+    return Optimizers([(model, adamw(adamw_groups(model, model.named_parameters(), cfg), cfg))])
 
 
 def adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.AdamW:
@@ -219,6 +227,19 @@ def decay_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float)
     params = [p for _, p in named if p.requires_grad]
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def adamw_groups(model: nn.Module, named: Iterable[tuple[str, nn.Parameter]], cfg: OptimizerConfig) -> list[dict]:
+    """AdamW's groups of `named` (parameters of `model`): `decay_groups`, and, where the model's config has a bigram
+    embedding, a third group for its table at bigram_lr_scale times the rate (empty on a pipeline stage without the
+    table, so that every stage has the same groups). A model without the option has the two groups it always had."""
+    named = list(named)
+    if not getattr(getattr(model, "config", None), "bigram_embedding", False):
+        return decay_groups(named, cfg.weight_decay)
+    table = [p for name, p in named if name.endswith(BIGRAM_TABLE) and p.requires_grad]
+    groups = decay_groups([(name, p) for name, p in named if not name.endswith(BIGRAM_TABLE)], cfg.weight_decay)
+    return [*groups, {"params": table, "weight_decay": cfg.bigram_weight_decay,
+                      "lr": cfg.learning_rate * cfg.bigram_lr_scale}]
 
 
 def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
@@ -238,7 +259,7 @@ def build_muon(model: nn.Module, cfg: OptimizerConfig) -> Optimizers:
     rest = [(name, p) for name, p in named if not is_hidden_matrix(name, p)]
     muon = MeshMuon([{"params": hidden}], lr=cfg.muon_learning_rate, weight_decay=cfg.muon_weight_decay,
                     momentum=cfg.muon_momentum, nesterov=True, ns_steps=cfg.muon_ns_steps)
-    return Optimizers([(model, adamw(decay_groups(rest, cfg.weight_decay), cfg)), (model, muon)],
+    return Optimizers([(model, adamw(adamw_groups(model, rest, cfg), cfg)), (model, muon)],
                       momentum=lambda step: muon_momentum(step, cfg))
 
 

@@ -54,7 +54,7 @@ EVAL_STEP = 100  # the evaluation batch's seed
 
 # Every model option at once (model.py), the soft cap tight enough to bend the logits
 ALL_OPTIONS = dict(positions="rotary", norm="rmsnorm", activation="relu2", qk_norm=True, tie_embeddings=False,
-                   logit_softcap=1.0, zero_init_proj=True)
+                   logit_softcap=1.0, zero_init_proj=True, bigram_embedding=True)
 
 
 def tiny_config(**options: Any) -> GPTConfig:

@@ -131,6 +131,7 @@ def test_an_fsspec_target_gets_the_same_files(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ refusals
 REFUSALS = {
+    "bigram_embedding": ({"bigram_embedding": True}, "gpt_config.bigram_embedding=true (no architecture"),
     "logit_softcap": ({"logit_softcap": 30.0}, "gpt_config.logit_softcap=30.0 (no architecture"),
     "rmsnorm with learned positions": ({"norm": "rmsnorm"}, "gpt_config.norm=rmsnorm with positions=learned"),
     "qk_norm with learned positions": ({"qk_norm": True}, "gpt_config.qk_norm=true with positions=learned, "

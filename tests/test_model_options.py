@@ -1,9 +1,10 @@
 """The model's options (model.py's GPTConfig: positions, rope_base, norm, activation, qk_norm, tie_embeddings,
-logit_softcap, zero_init_proj), in this process on tiny models: each changes the function or the parameters as it
-says, the defaults build today's GPT to the bit, generation with the key/value cache equals generation by the plain
-forward under every option, the counts (num_params, flops_per_token) follow them, torch.compile takes them whole, and
-snapshots are matched on them (a snapshot from before the options resumes as the default GPT and is refused by any
-other). Tensor and pipeline parallelism with every option on: tests/test_tensor_parallel.py, tests/test_pipeline.py."""
+logit_softcap, zero_init_proj, bigram_embedding), in this process on tiny models: each changes the function or the
+parameters as it says, the defaults build today's GPT to the bit, generation with the key/value cache equals
+generation by the plain forward under every option, the counts (num_params, flops_per_token) follow them,
+torch.compile takes them whole, and snapshots are matched on them (a snapshot from before the options resumes as the
+default GPT and is refused by any other). Tensor and pipeline parallelism with every option on:
+tests/test_tensor_parallel.py, tests/test_pipeline.py."""
 
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ import torch.nn.functional as F
 from mingpt import compat
 from mingpt.checkpoint import store as snap
 from mingpt.errors import UsageError
-from mingpt.optim import decay_groups
+from mingpt.optim import OptimizerConfig, build_optimizer, decay_groups
 from model import GPT, GPTConfig
 
 VOCAB, BLOCK = 65, 16
 # What each option is set to when it is "on" (the defaults are today's GPT-2)
 ON = {"positions": "rotary", "norm": "rmsnorm", "activation": "relu2", "qk_norm": True, "tie_embeddings": False,
-      "logit_softcap": 2.0, "zero_init_proj": True, "rope_base": 500.0}
+      "logit_softcap": 2.0, "zero_init_proj": True, "rope_base": 500.0, "bigram_embedding": True}
 ALL = {name: value for name, value in ON.items() if name != "rope_base"}
 NEW_FIELDS = (*snap.OPTION_FIELDS, "zero_init_proj")
 # weights_sha256 of tiny(seed 0) built by model.py before the options existed (torch 2.13's CPU generator)
@@ -79,6 +80,8 @@ def test_the_defaults_build_todays_gpt_to_the_bit(name, settings):
     (dict(rope_base=1.0), "gpt_config.rope_base must be greater than 1, got 1.0"),
     (dict(logit_softcap=0.0), "gpt_config.logit_softcap must be positive or null, got 0.0"),
     (dict(logit_softcap=-3.0), "gpt_config.logit_softcap must be positive or null, got -3.0"),
+    (dict(bigram_embedding=True, vocab_size=1025), "bigram_embedding=true needs a vocabulary of at most 1024 tokens "
+                                                   r"\(a row per pair of them\), got 1025"),
 ])
 def test_a_bad_option_is_one_line(settings, message):
     with pytest.raises(UsageError, match=message) as error:
@@ -171,6 +174,36 @@ def test_zero_init_proj_zeroes_the_residual_projections_and_nothing_else():
     idx = tokens((1, 8))
     embedded = tiny(zero_init_proj=True)
     torch.testing.assert_close(embedded(idx)[0], embedded.unembed(embedded.embed(idx)))  # blocks start as identity
+
+
+def test_the_bigram_embedding_adds_the_row_of_each_token_pair():
+    plain, gpt = tiny(), tiny(bigram_embedding=True)
+    table = gpt.transformer.bigram.weight
+    assert table.shape == (VOCAB * (VOCAB + 1), 32) and not table.any()
+    assert set(gpt.state_dict()) == {*plain.state_dict(), "transformer.bigram.weight"}
+    plain.load_state_dict({name: t for name, t in gpt.state_dict().items() if name != "transformer.bigram.weight"})
+    idx = tokens((2, 8))
+    assert torch.equal(gpt(idx)[0], plain(idx)[0])  # zero-initialised: the same function as without it
+    with torch.no_grad():
+        table.normal_(generator=torch.Generator().manual_seed(4))
+    # Each token's row is that of (previous token, token); a window's first token has one of its own.
+    rows = torch.cat((VOCAB * VOCAB + idx[:, :1], idx[:, :-1] * VOCAB + idx[:, 1:]), dim=1)
+    torch.testing.assert_close(gpt.embed(idx), plain.embed(idx) + table[rows])
+    # Given the token before them (generation with a cache), later tokens embed as inside the window.
+    torch.testing.assert_close(gpt.embed(idx[:, 3:], start=3, previous=idx[:, 2:3]), gpt.embed(idx)[:, 3:])
+    assert gpt.num_params() == plain.num_params() + VOCAB * (VOCAB + 1) * 32
+    assert gpt.flops_per_token() == plain.flops_per_token()  # a lookup, no matmul
+
+
+def test_the_bigram_table_has_its_own_rate_and_weight_decay():
+    cfg = OptimizerConfig(learning_rate=1e-3, weight_decay=0.1, bigram_lr_scale=7.0, bigram_weight_decay=0.0)
+    gpt = tiny(bigram_embedding=True)
+    for name in ("adamw", "muon"):
+        groups = build_optimizer(gpt, dataclasses.replace(cfg, name=name)).param_groups
+        (table_group,) = [group for group in groups if any(p is gpt.transformer.bigram.weight for p in group["params"])]
+        assert len(table_group["params"]) == 1 and table_group["lr"] == pytest.approx(7e-3), name
+        assert table_group["weight_decay"] == 0.0
+    assert len(build_optimizer(tiny(), cfg).param_groups) == 2  # without it: the groups a snapshot always had
 
 
 # ------------------------------------------------------------------------------------------------ what follows them

@@ -59,7 +59,7 @@ LR, WEIGHT_DECAY = 1e-2, 0.1
 FSDP_TP_CONFIG = dict(bias=False, n_layer=3)  # the 2x2 case's model: without biases, three blocks
 # Every model option at once (model.py), the soft cap tight enough to bend the logits
 ALL_OPTIONS = dict(positions="rotary", norm="rmsnorm", activation="relu2", qk_norm=True, tie_embeddings=False,
-                   logit_softcap=1.0, zero_init_proj=True)
+                   logit_softcap=1.0, zero_init_proj=True, bigram_embedding=True)
 # AdamW's eps for them: an untied embedding's gradient is a sum that cancels to ~1e-7 in places, where eps=1e-8 makes
 # AdamW's step a sign of rounding noise (5e-4 apart after 5 steps, the first gradients 5e-8 apart; 2e-5 with 1e-7)
 OPTIONS_EPS = 1e-6

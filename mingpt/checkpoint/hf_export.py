@@ -73,6 +73,8 @@ def architecture(cfg: GPTConfig) -> Architecture:
 def refusal(cfg: GPTConfig) -> str | None:
     """Why no transformers architecture computes this model's function (None: one does). zero_init_proj (only how
     training starts) and attention (the same function either way) do not matter."""
+    if cfg.bigram_embedding:
+        return "gpt_config.bigram_embedding=true (no architecture embeds pairs of tokens)"
     if cfg.logit_softcap is not None:
         return f"gpt_config.logit_softcap={cfg.logit_softcap} (no architecture with our other options caps logits)"
     if cfg.norm == "rmsnorm" and cfg.positions == "learned":

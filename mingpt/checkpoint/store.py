@@ -57,7 +57,8 @@ SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "bias", "vocab_size", "block_size
 # The model options that change its function or parameters, added after the first snapshots were written: a snapshot
 # without one was made by the default (GPT-2's), which is what its absence means. zero_init_proj (only how training
 # starts) and attention (the same function either way) are not among them.
-OPTION_FIELDS = ("positions", "rope_base", "norm", "activation", "qk_norm", "tie_embeddings", "logit_softcap")
+OPTION_FIELDS = ("positions", "rope_base", "norm", "activation", "qk_norm", "tie_embeddings", "logit_softcap",
+                 "bigram_embedding")
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "progress", "model_config", "vocab", "integrity_sha256")
 REQUIRED_TYPES = {"format_version": int, "model": dict, "optimizer": dict, "progress": dict, "model_config": dict,
                   "vocab": str, "integrity_sha256": str}

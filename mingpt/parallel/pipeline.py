@@ -101,7 +101,8 @@ class GPTStage(nn.Module):
     Built from a GPT's own modules (no copy): parameter names are those of the whole GPT. With tied embeddings the
     last stage also keeps `transformer.wte`, which its forward never calls: the tied weight then keeps its GPT name
     `transformer.wte.weight` first, and both its state-dict keys exist. Untied, the last stage holds its own head
-    (`lm_head.weight`) and no embedding; under rotary positions the first holds no `wpe`.
+    (`lm_head.weight`) and no embedding; under rotary positions the first holds no `wpe`, and the bigram embedding
+    (`transformer.bigram`) where the model has one.
     forward: first stage idx (B, T) int64 -> hidden (B, T, C); others hidden -> hidden; the last -> logits (B, T, V).
     """
 
@@ -114,7 +115,7 @@ class GPTStage(nn.Module):
         if first or (last and self.config.tie_embeddings):
             parts["wte"] = whole.wte
         if first:
-            parts.update({name: whole[name] for name in ("wpe", "drop") if name in whole})
+            parts.update({name: whole[name] for name in ("wpe", "bigram", "drop") if name in whole})
         parts["h"] = nn.ModuleDict({str(index): whole.h[index] for index in layers})
         if last:
             parts["ln_f"] = whole.ln_f

@@ -169,6 +169,8 @@ def _outer_plan(model: nn.Module) -> dict[str, Any]:
     plan: dict[str, Any] = {}
     if "wte" in has:  # vocabulary rows split; the sum over them reduce-scattered along the sequence: (B, T/N, C)
         plan["transformer.wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if "bigram" in has:  # pair rows split as wte's vocabulary rows, and its output laid out as wte's
+        plan["transformer.bigram"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if "wpe" in has:  # positions (T,) -> (T/N, C): the same positions as wte's local output, broadcast over B
         plan["transformer.wpe"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
     if "ln_f" in has:
