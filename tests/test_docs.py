@@ -41,7 +41,7 @@ SKIPPED = {
     ("README.md", "# on 4 GPUs, then on 8"): NEEDS_GPU,
     ("docs/parallelism.md", "# one 8-GPU node"): NEEDS_GPU + "; " + SEVERAL_MACHINES,
     ("docs/cpu.md", "torchrun --standalone --nproc_per_node=2 main.py preset=cpu trainer_config.snapshot_path="):
-        "the whole 2,500-step quick-start, on two processes (one process alone trains for under a minute)",
+        "the whole 2,200-step quick-start, on two processes (one process alone trains for under a minute)",
     ("docs/data.md", "python prepare.py data_config.path='/data/books/*.txt'"): YOUR_DATA + "; " + NEEDS_GPU,
     ("docs/fsdp.md", "torchrun --standalone --nproc_per_node=4"): NEEDS_GPU,
     ("docs/gpu.md", "torchrun --standalone --nproc_per_node=4 main.py"): NEEDS_GPU,
