@@ -18,19 +18,16 @@
 #       its best is 1.4697; an untrained model is at ~4.2, one that ignores its context at ~2.5)        run/  ~60 s
 #   (c) NCCL under torchrun (one process): SIGTERM after step 100 stops it with a snapshot; a rerun resumes from it
 #                                                                                                 run-nccl/  ~50 s
-#   (d) the fork server (MINGPT_FORKSERVER=1): no refusal line, and the running worker is a fork of the agent's
-#       server (process tree from /proc; rank 0's logged pid is that fork; CUDA is loaded there, not in the server;
-#       the client torchrun started never imports torch); SIGTERM still stops it with a snapshot  run-forkserver/  ~30 s
-#   (e) torchrun with one process more than the node's GPUs: a non-zero exit and exactly one `error: ...CUDA device`
+#   (d) torchrun with one process more than the node's GPUs: a non-zero exit and exactly one `error: ...CUDA device`
 #       line in the workers' stderr, no traceback                                                 run-nprocs/  ~20 s
-#   (f) strategy=fsdp under torchrun (one process): 200 steps, a sharded snapshot every 100, the worker SIGKILLed
+#   (e) strategy=fsdp under torchrun (one process): 200 steps, a sharded snapshot every 100, the worker SIGKILLed
 #       after step 150; the rerun resumes from snapshot-000000100.dcp and finishes                 run-fsdp/  ~60 s
 # Then summary.json and a list of what one GPU cannot show. Each step has a time limit, and none may run past
 # BUDGET_S=480 s from the start: a check that would is killed and reported as a FAIL.
 #
-# Knobs: BENCH_ARGS / TRAIN_ARGS add Hydra overrides (last: they win) to (a) / (b)-(f); PEAK_TFLOPS, TARGET (the
+# Knobs: BENCH_ARGS / TRAIN_ARGS add Hydra overrides (last: they win) to (a) / (b)-(e); PEAK_TFLOPS, TARGET (the
 # loss whose first step is reported, 1.4697), TRAIN_STEPS, EVAL_EVERY, VAL_BOUND, BUDGET_S, FORCE, PYTHON.
-# A developer's dry run of the logic on a CPU: GPU_CHECK_ALLOW_CPU=1 skips the CUDA gate and check (e), e.g.
+# A developer's dry run of the logic on a CPU: GPU_CHECK_ALLOW_CPU=1 skips the CUDA gate and check (d), e.g.
 #   GPU_CHECK_ALLOW_CPU=1 BUDGET_S=1800 TRAIN_STEPS=200 EVAL_EVERY=100 VAL_BOUND=3.3 PYTHON=.venv/bin/python \
 #   BENCH_ARGS="gpt_config.n_layer=1 gpt_config.n_head=2 gpt_config.n_embd=32 trainer_config.compile=false
 #   trainer_config.mixed_precision=fp32 trainer_config.batch_size=4" TRAIN_ARGS="gpt_config.n_layer=1
@@ -72,7 +69,7 @@ fi
 
 # ----------------------------------------------------------------------------------------- earlier results
 RESULTS=("$OUT/install.log" "$OUT/bench.json" "$OUT/bench.log" "$OUT/run" "$OUT/snapshots" "$OUT/run-nccl"
-         "$OUT/run-forkserver" "$OUT/run-nprocs" "$OUT/run-fsdp" "$OUT/summary.json")
+         "$OUT/run-nprocs" "$OUT/run-fsdp" "$OUT/summary.json")
 for used in "${RESULTS[@]}"; do
     if [[ -e "$used" ]]; then
         if [[ "${FORCE:-0}" != 1 ]]; then
@@ -167,7 +164,6 @@ timed() {  # timed NAME SINCE
     TIMES+=("$1=$((SECONDS - $2))")
 }
 
-unset MINGPT_FORKSERVER  # torchrun's own workers everywhere but in (d)
 TORCHRUN=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1)
 
 # ----------------------------------------------------------------------------- Hydra & co. from .whl/, if needed
@@ -254,67 +250,7 @@ echo "ok: torchrun ($([[ $ON_GPU == 1 ]] && echo NCCL || echo gloo), one process
     "it with a snapshot; the rerun resumed from it and finished"
 timed nccl $t0
 
-# ------------------------------------------------------------------------------------------ (d) the fork server
-t0=$SECONDS
-RUN="$OUT/run-forkserver"
-mkdir -p "$RUN"
-MINGPT_FORKSERVER=1 "${TORCHRUN[@]}" main.py trainer_config.max_steps=300 trainer_config.progress=lines \
-    trainer_config.log_every_steps=10 trainer_config.eval_every_steps=0 trainer_config.snapshot_path="$RUN/snapshots" \
-    hydra.run.dir="$RUN" ${TRAIN_ARGS:-} >"$RUN/launch.log" 2>&1 &
-job=$!
-wait_for_line "step 50/" "$RUN/launch.log" "$job" 150 \
-    || fail "the run with MINGPT_FORKSERVER=1 did not reach step 50" "$RUN/launch.log"
-# The process tree while it trains: agent -> client (the worker torchrun started: main.py, which hands itself to
-# the server) -> server (`python -c "...forkserver.serve(NAME, AGENT)"`, started by the client) -> fork (rank 0).
-check_py "the worker of the MINGPT_FORKSERVER=1 run is not a fork of the fork server" "$RUN/launch.log" \
-    "$job" "$RUN/launch.log" "$ON_GPU" <<'PY' >"$RUN/tree.log"
-import os, re, sys
-agent, log, gpu = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
-table = {}
-for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-        ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        table[int(pid)] = (ppid, open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace"))
-    except (OSError, IndexError, ValueError):
-        pass
-
-
-def maps(pid, library):
-    with open(f"/proc/{pid}/maps") as f:
-        return any(os.path.basename(line.split()[-1]).startswith(library) for line in f if "/" in line)
-
-
-clients = [p for p, (pp, cmd) in table.items() if pp == agent]
-assert len(clients) == 1 and "main.py" in table[clients[0]][1], f"torchrun's workers: {clients}"
-client = clients[0]
-ours = [p for p, (pp, cmd) in table.items() if "forkserver.serve(" in cmd and cmd.rstrip().endswith(f", {agent})")]
-servers = [p for p in ours if table[p][0] not in ours]
-assert len(servers) == 1, f"no fork server of agent {agent} runs (processes: {ours})"
-server = servers[0]
-forks = [p for p in ours if table[p][0] == server]
-assert len(forks) == 1, f"the fork server {server} has no child: no worker was forked"
-fork = forks[0]
-assert not maps(client, "libtorch"), f"the client {client} loaded torch: it trained itself"
-assert maps(fork, "libtorch"), f"the fork {fork} has no torch"
-logged = re.search(r"rank 0 is process (\d+), started by (\d+)", open(log).read())
-if logged:
-    assert (int(logged[1]), int(logged[2])) == (fork, server), f"rank 0 logged {logged[0]}: not the fork {fork}"
-if gpu:
-    assert maps(fork, "libcuda.so"), f"the fork {fork} has not loaded the CUDA driver"
-    assert not maps(server, "libcuda.so"), f"the server {server} loaded the CUDA driver before forking"
-print(f"agent {agent} -> client {client} (main.py, no torch) -> server {server} (forkserver.serve) -> fork {fork} "
-      f"(rank 0{' as logged' if logged else ''}{', CUDA' if gpu else ''})")
-PY
-stop_job "$job" TERM || true
-if grep -q "forkserver:" "$RUN/launch.log"; then
-    fail "the fork server refused or lost the worker (a forkserver: line)" "$RUN/launch.log"
-fi
-grep -q "saved (stop requested" "$RUN/launch.log" \
-    || fail "the served worker did not stop with a snapshot after SIGTERM" "$RUN/launch.log"
-echo "ok: MINGPT_FORKSERVER=1: $(cat "$RUN/tree.log"); no refusal; SIGTERM relayed, stopped with a snapshot"
-timed forkserver $t0
-
-# ------------------------------------------------------------------------- (e) more processes than GPUs
+# ------------------------------------------------------------------------- (d) more processes than GPUs
 t0=$SECONDS
 RUN="$OUT/run-nprocs"
 mkdir -p "$RUN"
@@ -335,10 +271,10 @@ if [[ $ON_GPU == 1 ]]; then
         "$(grep "error: .*CUDA device" "$RUN/workers-stderr.log" | cut -c1-100)..."
     timed nprocs $t0
 else
-    echo "skipped: (e) more processes than GPUs needs a CUDA device"
+    echo "skipped: (d) more processes than GPUs needs a CUDA device"
 fi
 
-# ------------------------------------------------------------------------------ (f) FSDP, SIGKILL, resume
+# ------------------------------------------------------------------------------ (e) FSDP, SIGKILL, resume
 t0=$SECONDS
 RUN="$OUT/run-fsdp"
 mkdir -p "$RUN"
@@ -377,7 +313,7 @@ summary = {
     "train_steps": max(r["step"] for r in rows), "train_elapsed_s": rows[-1]["elapsed_s"],
     "val_bound": float(bound), "best_val_loss": min(r["val_loss"] for r in val),
     "target_val_loss": float(target), "target_reached_at_step": hit and hit["step"],
-    "checks_passed": ["bench", "train", "torchrun-sigterm-resume", "forkserver"]
+    "checks_passed": ["bench", "train", "torchrun-sigterm-resume"]
     + (["more-processes-than-gpus"] if gpu == "1" else []) + ["fsdp-sigkill-resume"],
     "seconds": {**{name: int(s) for name, s in (t.split("=") for t in times)}, "total": int(total)},
     "not_checked_with_one_gpu": [

@@ -11,11 +11,11 @@ process group exists) -> read the text -> set up the process group -> build GPT 
 
 from __future__ import annotations
 
-from mingpt.distributed.forkserver import start_worker
+from mingpt.distributed.orphans import exit_with_parent
 
 # Before the imports below: under torchrun, die with the agent (torch alone takes seconds to import, and the agent
-# may die meanwhile), and run as a fork of the agent's fork server, which has imported everything once.
-start_worker()
+# may die meanwhile).
+exit_with_parent()
 
 import dataclasses
 import functools

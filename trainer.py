@@ -94,11 +94,6 @@ class TrainerConfig:
     """torch.compile the model
 
     The first step compiles (~40 s on a CPU); then ~10% faster there."""
-    shared_memory_allreduce: bool = False
-    """opt-in: CPU ranks on one host average gradients through /dev/shm, not gloo's TCP
-
-    A spin barrier in shared memory, for small CPU machines (docs: the CPU notes); falls back to gloo when the ranks
-    span hosts or /dev/shm lacks room. No effect on GPUs (NCCL)."""
     seed: int = 1337
     """seeds weights, data order and dropout"""
     eval_every_steps: int = 500
@@ -486,8 +481,7 @@ def parallelize(model: nn.Module, layout: Layout, strategy: str, cfg: TrainerCon
         mesh = Mesh.build(layout, ctx.device)
         return wrap_on_mesh(model, mesh, cfg.activation_checkpointing, cfg.compile, amp_dtype, ctx.device,
                             parallel_cfg)
-    parallel = wrap_model(model, strategy, cfg.activation_checkpointing, cfg.compile, cfg.shared_memory_allreduce,
-                          amp_dtype, ctx)
+    parallel = wrap_model(model, strategy, cfg.activation_checkpointing, cfg.compile, amp_dtype, ctx)
     parallel.mesh, parallel.name = Mesh(layout), strategy
     parallel.modules = [model]  # the unwrapped model (not DDP's or torch.compile's wrapper): what snapshots read
     return parallel
@@ -562,8 +556,7 @@ class Trainer:
         self._parameters: Optional[list[nn.Parameter]] = None  # what clipping reads (`_clipped_parameters`)
         self.window = LossWindow(ctx, counted=self.parallel.pipeline is None or self.parallel.pipeline.has_last_stage)
         self.checkpoints = make_checkpointer(self, snapshots, snapshot_metadata or {})
-        self.stop = StopRequest(ctx.rank, ctx.device, ctx.group, cfg.stop_timeout_s, self.checkpoints.finish_quietly,
-                                carrier=self.parallel.shm_reducer)
+        self.stop = StopRequest(ctx.rank, ctx.device, ctx.group, cfg.stop_timeout_s, self.checkpoints.finish_quietly)
         self.progress = Progress("off", False, 0, 0)
         self._fit_start = time.perf_counter()
         self.stopped_early = False

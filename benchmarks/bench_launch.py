@@ -3,7 +3,7 @@ program's own log reports it, against nanoGPT's train.py.
 
     python benchmarks/bench_launch.py --only startup  # start-up: 5 launches of 1 step, median and spread
     python benchmarks/bench_launch.py --only startup --nanogpt ../nanoGPT  # paired with nanoGPT's train.py
-    python benchmarks/bench_launch.py --only restart --kills 3 --restart-rounds 4  # with and without the fork server
+    python benchmarks/bench_launch.py --only restart --kills 3 --restart-rounds 4  # kill to first step, 4 jobs
     python benchmarks/bench_launch.py --only step --nanogpt ../nanoGPT  # the step: whole runs of both, alternating
     python benchmarks/bench_launch.py --nanogpt ../nanoGPT --json r.json    # all three; also write the numbers as JSON
 
@@ -20,11 +20,9 @@ cache.
 snapshot every 5 steps; once it has taken 15 steps since its last (re)start, one worker (rank 1 and rank 0 in turn)
 is SIGKILLed. Latency: from the kill to the first step logged after torchrun's restart (the step's own time
 included), and its parts: to the new worker processes (torchrun noticing, stopping the other worker), to the new
-rank 0's first log line (the new processes' start: a fork of the fork server, or imports; config, data, process
-group), to "resumed from" (model, DDP, snapshot). Each round runs two such jobs, without the fork server (the
-default: torchrun's own workers) and with it (the opt-in, MINGPT_FORKSERVER=1), the order swapped every round;
-reported: each one's latencies and the median of the per-round ratios of their medians, and the same for the
-launch itself (from starting torchrun to the first step logged).
+rank 0's first log line (the new processes' start: imports, config, data, process group), to "resumed from"
+(model, DDP, snapshot). Each round runs one such job; reported: the latencies and their parts over all jobs, and
+the launch itself (from starting torchrun to the first step logged).
 
 **step** (needs `--nanogpt`): 240-step runs of both programs on nanoGPT's CPU recipe, in turn, the order swapped
 every round; each program's own step times for steps 30-210 (nanoGPT: `--log_interval=1`, its per-iteration
@@ -218,33 +216,21 @@ def wait_for_new_workers(agent: int, old: set[int], count: int, timeout_s: float
 
 
 def bench_restart(kills: int, overrides: list[str], rounds: int = 1) -> dict:
-    """`rounds` x 2 jobs, one with the fork server (forkserver.py; MINGPT_FORKSERVER=1) and one without, the order
-    swapped every round, `kills` kills each; their latencies and the median of the per-round ratios."""
-    results: dict[str, list[dict]] = {"forkserver": [], "no_forkserver": []}
-    ratios, launch_ratios = [], []
+    """`rounds` jobs, `kills` kills each: the latencies and their parts, min/median/max."""
+    each: list[dict] = []
     for index in range(rounds):
-        order = ["forkserver", "no_forkserver"] if index % 2 == 0 else ["no_forkserver", "forkserver"]
-        medians = {}
-        for name in order:
-            print(f"round {index + 1}, {name.replace('_', ' ')}:", file=sys.stderr)
-            each = restart_job(kills, overrides, {"MINGPT_FORKSERVER": "1" if name == "forkserver" else "0"})
-            results[name] += each
-            medians[name] = statistics.median(r["latency_s"] for r in each)
-        ratios.append(medians["no_forkserver"] / medians["forkserver"])
-        launch_ratios.append(results["no_forkserver"][-1]["launch_s"] / results["forkserver"][-1]["launch_s"])
+        print(f"round {index + 1}:", file=sys.stderr)
+        each += restart_job(kills, overrides)
     report = {"command": " ".join(["torchrun", "--standalone", "--nproc_per_node=2", f"--max-restarts={kills}",
                                    "main.py", "preset=nanogpt_cpu", "..."]), "kills": kills, "rounds": rounds}
-    for name, each in results.items():
-        report[name] = {part: spread([r[part] for r in each])
-                        for part in ("latency_s", "to_new_processes_s", "to_first_line_s", "to_resumed_s")}
-        report[name]["launch_s"] = spread([r["launch_s"] for r in each[::kills]])  # one launch a job
-        report[name]["each"] = each
-    report["speedup_of_forkserver"] = spread(ratios)
-    report["launch_speedup_of_forkserver"] = spread(launch_ratios)
+    report.update({part: spread([r[part] for r in each])
+                   for part in ("latency_s", "to_new_processes_s", "to_first_line_s", "to_resumed_s")})
+    report["launch_s"] = spread([r["launch_s"] for r in each[::kills]])  # one launch a job
+    report["each"] = each
     return report
 
 
-def restart_job(kills: int, overrides: list[str], env: dict[str, str]) -> list[dict]:
+def restart_job(kills: int, overrides: list[str]) -> list[dict]:
     """One torchrun job, `kills` workers SIGKILLed in turn: each kill's latency and its parts."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-restart-"))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -254,7 +240,7 @@ def restart_job(kills: int, overrides: list[str], env: dict[str, str]) -> list[d
             f"hydra.run.dir={scratch}/run", *overrides]
     launched_at = time.perf_counter()
     job = subprocess.Popen(argv, cwd=PROJECT_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True, env={**os.environ, **env})
+                           start_new_session=True)
     watcher = LogWatcher(job.stdout)
     results = []
     try:
@@ -296,7 +282,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--nanogpt", type=Path, default=None, help="a nanoGPT checkout to compare with")
     parser.add_argument("--kills", type=int, default=5, help="restarts to time per job (default 5)")
     parser.add_argument("--restart-rounds", type=int, default=1,
-                        help="restart rounds, each a job with the fork server and one without (default 1)")
+                        help="restart rounds, a job each (default 1)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for main.py")
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """The components behind main.py, trainer.py, model.py and char_dataset.py (the files at the project's root):
 
     config        the training config: the components' dataclasses composed with the command line (Hydra)
-    distributed   the torchrun job's process group, stopping together, never outliving the agent, the fork server
+    distributed   the torchrun job's process group, stopping together, never outliving the agent
     parallel      how the model is spread over the processes (DDP, FSDP) and its state in each form
     checkpoint    what a snapshot holds, when one is taken, writing and reading it (one file or DCP shards)
     storage       what a location is (local path or fsspec URL) and writes that survive a crash
@@ -11,7 +11,7 @@
     compat        every difference between the supported torch releases, in one place
     errors        the errors a user sees as one line
 
-Importing the package imports nothing heavy: main.py imports the fork server's entry point before torch.
+Importing the package imports nothing heavy: main.py imports mingpt.distributed.orphans before torch.
 """
 
 from pathlib import Path

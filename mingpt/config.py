@@ -140,16 +140,6 @@ def composition_error(error: Exception) -> UsageError:
     return UsageError(f"{first_line(error)}{detail}")
 
 
-def warm_up() -> None:
-    """Compose the default config once and forget it, for the fork server (forkserver.py): a process's first
-    composition costs about 0.3 s more than the next (Hydra's override grammar, plugin discovery, OmegaConf's
-    caches), and its forks inherit what it learnt. Nothing is written; a broken config is the workers' to report."""
-    try:
-        precheck_config_overrides(CONFIG_NAME, ["trainer_config.seed=0"])
-    except Exception:
-        pass
-
-
 def precheck_overrides(overrides: list[str]) -> None:
     """The training config with these overrides, checked (keys, types, values) before Hydra makes a run folder."""
     for composed in precheck_config_overrides(CONFIG_NAME, overrides) or []:

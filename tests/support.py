@@ -99,7 +99,6 @@ def subprocess_env(tmp_path: Path) -> dict[str, str]:
     env.pop("RANK", None)
     env.pop("TORCHELASTIC_RUN_ID", None)
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # tests run the commands as the README gives them
-    env.pop("MINGPT_FORKSERVER", None)  # the default path (a test that wants the opt-in sets it)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -148,19 +147,6 @@ def start_cli(args: list[str], tmp_path: Path, nproc: int, max_restarts: int = 0
         command, cwd=tmp_path, env=env,
         stdout=(tmp_path / log_name).open("w"), stderr=subprocess.STDOUT, text=True,
     )
-
-
-def fork_servers(agent: int) -> list[int]:
-    """The fork servers (forkserver.py, the MINGPT_FORKSERVER=1 opt-in) of a torchrun agent, by command line."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = cmdline.read_bytes()
-        except OSError:
-            continue
-        if b"forkserver.serve(" in text and text.rstrip(b"\0").endswith(f", {agent})".encode()):
-            found.append(int(cmdline.parent.name))
-    return found
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):

@@ -36,7 +36,7 @@ def assert_trained(run_dir: Path, world_size: int) -> list[dict]:
 
 @pytest.mark.oldest_torch
 def test_torchrun_two_processes(tmp_path):
-    """Also: each worker is the process torchrun started (no fork server, no other stand-in by default)."""
+    """Also: each worker is the process torchrun started (no stand-in)."""
     command = cli([*own_snapshots(tmp_path), *TINY], standalone(2))
     launch = subprocess.Popen(command, cwd=tmp_path, env=subprocess_env(tmp_path), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)

@@ -1,13 +1,16 @@
 """How a job begins and ends, with real torchrun processes: a rerun of a finished job, a torchrun agent that dies
 (its workers must not train on as orphans), one rank that fails (the others end within seconds, the error is
-printed once), and SIGTERM while a peer is stuck (the rank leaves within trainer_config.stop_timeout_s)."""
+printed once), SIGTERM while a peer is stuck (the rank leaves within trainer_config.stop_timeout_s), and more
+SIGTERMs after a stop was agreed (they must not end it)."""
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 from support import (
+    PYTHON,
     TINY,
     assert_ok,
     children,
@@ -21,6 +24,7 @@ from support import (
     weights_digest,
 )
 
+from mingpt import PROJECT_DIR
 from mingpt.checkpoint import store as snap
 
 
@@ -130,3 +134,21 @@ def test_sigterm_with_a_stuck_peer_leaves_within_the_stop_timeout(tmp_path):
     log = (tmp_path / "launch.log").read_text()
     assert 2.5 < left_after < 8, (left_after, log[-3000:])
     assert log.count("could not agree with the other ranks to stop within 3 s") == 1, log[-3000:]
+
+
+def test_a_stop_under_way_outlives_more_sigterms():
+    """A dying torchrun agent's PR_SET_PDEATHSIG comes once per thread of the agent: the worker may get SIGTERM again
+    after it agreed to stop; that must not end it while it writes its snapshot."""
+    code = """if True:
+        import os, signal, time, torch
+        from mingpt.distributed.stopping import StopRequest
+        stop = StopRequest(0, torch.device("cpu"), None, 5.0, lambda: None)
+        with stop.watch():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+            assert stop.agreed()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        print("still here")"""
+    result = subprocess.run([PYTHON, "-c", code], cwd=PROJECT_DIR, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout.strip()) == (0, "still here"), result.stderr[-2000:]

@@ -9,9 +9,7 @@ rank that cannot agree.
 
 SIGTERM sets a flag in the main thread; the ranks must stop after the same step, or the ones left would wait
 forever in the next all-reduce. Agreeing takes one max-reduction of one flag per step, read one step later, so no
-step waits for a round trip (a stop lands one step later instead): where the gradients are averaged through
-/dev/shm the flag rides on that reduction (CarriedVote: no collective of its own), elsewhere StopVote all-reduces it
-in the background.
+step waits for a round trip (a stop lands one step later instead): StopVote all-reduces it in the background.
 """
 
 from __future__ import annotations
@@ -81,38 +79,17 @@ class StopVote:
         return bool(value.item())
 
 
-class CarriedVote:
-    """The stop flags carried by a reduction that every step makes anyway (shm_allreduce.SharedMemoryAllReduce: each
-    rank's `flag_out` goes with its gradients, every rank reads the largest in `flag_in`), so voting costs no
-    collective. The same timing as StopVote: `cast(flag)` after step N returns the flags cast after step N-1, which
-    step N's gradient reduction carried; every rank reads the same reduction's flags, so every rank agrees."""
-
-    def __init__(self, carrier) -> None:  # noqa: ANN001 (anything with int attributes flag_out and flag_in)
-        self.carrier = carrier
-
-    def cast(self, flag: bool) -> bool:
-        agreed = bool(self.carrier.flag_in)
-        self.carrier.flag_out = int(flag)
-        return agreed
-
-    def finish(self) -> None:
-        """Nothing is in flight."""
-
-
 class StopRequest:
     """SIGTERM (sent by torchrun, SLURM and cloud schedulers before a kill, and by the kernel when the torchrun agent
     dies) ends training after the current step, on every rank after the same one, instead of killing the process
     mid-step. A rank that cannot agree with its peers within `timeout_s` leaves without them (StopDeadline),
-    after `before_exit` (which finishes a snapshot being written). `group` None: a process on its own. `carrier`:
-    a reduction of every step that can carry the flags (CarriedVote), else they are all-reduced (StopVote)."""
+    after `before_exit` (which finishes a snapshot being written). `group` None: a process on its own."""
 
     def __init__(self, rank: int, device: torch.device, group: Optional[dist.ProcessGroup], timeout_s: float,
-                 before_exit: Callable[[], None], carrier=None) -> None:  # noqa: ANN001 (see CarriedVote)
+                 before_exit: Callable[[], None]) -> None:
         self.rank, self.timeout_s, self.before_exit = rank, timeout_s, before_exit
         self.signal: Optional[int] = None
-        self._vote: Optional[StopVote | CarriedVote] = None
-        if group is not None:
-            self._vote = CarriedVote(carrier) if carrier is not None else StopVote(device, group)
+        self._vote = StopVote(device, group) if group is not None else None
         self._deadline: Optional[StopDeadline] = None
 
     @contextlib.contextmanager

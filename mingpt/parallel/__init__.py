@@ -1,3 +1,3 @@
 """How the model is spread over the processes: the layout and its device mesh (layout), DDP and FSDP wrapping with
 each strategy's state (data_parallel), tensor parallelism (tensor_parallel), pipeline stages and schedules
-(pipeline), the model on a mesh (hybrid), and the opt-in shared-memory all-reduce for one CPU node (shm_allreduce)."""
+(pipeline), and the model on a mesh (hybrid)."""

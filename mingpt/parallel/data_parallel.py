@@ -1,7 +1,7 @@
 """How the model is spread over the processes, and its state in the form each way saves and loads.
 
     ddp   DistributedDataParallel: every rank holds the whole model, its gradients and the optimizer state; the
-          gradients are all-reduced (through /dev/shm on one CPU host, see shm_allreduce.py).
+          gradients are all-reduced.
     fsdp  torch's FSDP2 `fully_shard` on each transformer block and on the root: each rank holds 1/N of every
           parameter, gradient and optimizer state; a block's parameters are all-gathered for its forward and
           backward and freed again, gradients are reduce-scattered.
@@ -30,7 +30,6 @@ from torch.utils.checkpoint import checkpoint
 
 from mingpt.compat import CPU_FSDP_TORCH, ddp_no_buffer_sync, require_torch
 from mingpt.distributed.process_group import DistContext
-from mingpt.parallel.shm_allreduce import FLOAT_BYTES, SharedMemoryAllReduce, shared_memory_allreduce_hook
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +40,7 @@ ACTIVATION_CHECKPOINTING = ("none", "blocks")
 @dataclass
 class Parallel:
     """The model as training and evaluation call it. `ddp` is DDP's wrapper (None otherwise); `sharded` is True
-    under FSDP (FSDP2 modules, whose registered parameters change around each pass). `shm_reducer`: the /dev/shm
-    gradient reduction of every step, where it is used (it also carries the stop flags: stopping.CarriedVote).
+    under FSDP (FSDP2 modules, whose registered parameters change around each pass).
 
     On a device mesh (tensor parallelism, hybrid sharding): `loss_parallel` when the loss is computed over the
     vocabulary's shards (forward and backward run inside `loss_context()`); `permuted`, the parameters whose rows a
@@ -54,7 +52,6 @@ class Parallel:
     model: nn.Module
     ddp: Optional[DDP]
     sharded: bool
-    shm_reducer: Optional[SharedMemoryAllReduce] = None
     loss_parallel: bool = False
     permuted: dict[str, int] = field(default_factory=dict)
     lockstep_eval: Optional[bool] = None  # None: as `sharded`
@@ -91,7 +88,7 @@ class Parallel:
 
 
 def wrap_model(model: nn.Module, strategy: str, activation_checkpointing: str, compile: bool,
-               shared_memory_allreduce: bool, amp_dtype: torch.dtype, ctx: DistContext) -> Parallel:
+               amp_dtype: torch.dtype, ctx: DistContext) -> Parallel:
     """Collective under DDP and FSDP."""
     if activation_checkpointing == "blocks":
         for block in blocks_of(model):
@@ -102,18 +99,12 @@ def wrap_model(model: nn.Module, strategy: str, activation_checkpointing: str, c
     if not ctx.distributed:
         return Parallel(compiled, compiled, None, sharded=False)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    shm_reducer = shared_memory_reducer(model, shared_memory_allreduce, ctx)
-    bucket_options = {}
-    if shm_reducer is not None:  # one bucket: one barrier per step (with a core per process nothing overlaps)
-        bucket_options["bucket_cap_mb"] = shm_reducer.num_elements * FLOAT_BYTES / 2**20 + 1
     # No buffer needs syncing (the attention mask buffer is a constant): skip a broadcast per forward pass.
     # gradient_as_bucket_view=True: a reduced gradient is a view of its all-reduce bucket, not a second copy (less
     # memory); zero_grad(set_to_none=True) then frees it, so each backward still copies into the bucket.
     ddp = DDP(compiled, device_ids=device_ids, gradient_as_bucket_view=True, process_group=ctx.group,
-              **ddp_no_buffer_sync(), **bucket_options)
-    if shm_reducer is not None:
-        ddp.register_comm_hook(shm_reducer, shared_memory_allreduce_hook)
-    return Parallel(compiled, ddp, ddp, sharded=False, shm_reducer=shm_reducer)
+              **ddp_no_buffer_sync())
+    return Parallel(compiled, ddp, ddp, sharded=False)
 
 
 def _fully_shard(model: nn.Module, compile: bool, amp_dtype: torch.dtype, ctx: DistContext) -> Parallel:
@@ -155,26 +146,6 @@ def compile_options(device: torch.device) -> dict:
 
 def compile_model(model: nn.Module, device: torch.device) -> nn.Module:
     return torch.compile(model, **compile_options(device))
-
-
-def shared_memory_reducer(model: nn.Module, enabled: bool, ctx: DistContext) -> Optional[SharedMemoryAllReduce]:
-    """Collective. The /dev/shm gradient all-reduce where it applies: CPU ranks that all share one host
-    (about half the time of gloo's TCP all-reduce on one host: benchmarks/bench.md)."""
-    if ctx.device.type != "cpu":
-        return None
-    params = [p for p in model.parameters() if p.requires_grad]
-    reducer = None
-    if not enabled:
-        why_not = "trainer_config.shared_memory_allreduce=false"
-    elif any(p.dtype != torch.float32 for p in params):
-        why_not = "the parameters are not all fp32"
-    else:
-        reducer = SharedMemoryAllReduce.create(sum(p.numel() for p in params), ctx.group)
-        why_not = "the ranks do not all share one host's /dev/shm, or it has no room"
-    if ctx.is_main:
-        how = "through shared memory (/dev/shm)" if reducer is not None else f"by gloo ({why_not})"
-        log.info("gradients are averaged %s", how)
-    return reducer
 
 
 def prime_ddp_buckets(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
