@@ -1,21 +1,30 @@
 # Two commands do all the set-up:  make run  (install + CPU quick-start)   make test  (install + tests)
 PYTHON ?= python3
 VENV ?= .venv
+# The optional parts, each installed by name (README, "Install"): .venv/bin/pip install -r requirements-NAME.txt
+EXTRAS = requirements-hf.txt requirements-mlflow.txt requirements-wandb.txt requirements-tensorboard.txt
 
-.PHONY: install run test clean
+.PHONY: install install-test run test clean
 
-$(VENV)/.installed: requirements.txt requirements-interop.txt requirements-test.txt
+# What a training run imports (requirements.txt), nothing more: `make run`'s set-up.
+$(VENV)/.installed-run: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -r requirements.txt
 	touch $@
 
-install: $(VENV)/.installed
+# The same, and the tests' tools with every optional part (requirements-test.txt): `make test`'s set-up.
+$(VENV)/.installed-test: $(VENV)/.installed-run requirements-test.txt $(EXTRAS)
+	$(VENV)/bin/python -m pip install -r requirements.txt -r requirements-test.txt
+	touch $@
+
+install: $(VENV)/.installed-run
+install-test: $(VENV)/.installed-test
 
 # The CPU quick-start on the bundled tiny-shakespeare text (see README); any Hydra override via ARGS="...".
 run: install
 	$(VENV)/bin/python main.py preset=cpu $(ARGS)
 
-test: install
+test: install-test
 	$(VENV)/bin/python -m pytest $(ARGS)
 
 clean:

@@ -1,11 +1,12 @@
 """The experiment trackers (mingpt/reporting/trackers.py) with real processes and the real packages, no mocks.
 
-MLflow on a local file store and W&B offline follow a 2-process run whose rank 0 is SIGKILLed, restarted by torchrun
-and then rerun with a later max_steps: one tracked run, holding each metrics.jsonl row once, read back with MLflow's
-own client and W&B's own reader of its offline files (`wandb leet inspect --json`). An unreachable MLflow server
-costs one warning line; a missing package is a one-line error before training; a run that asks for a tracker
-imports its package in its tracker process only (one that asks for none imports neither: tests/test_cli.py,
-NOT_IMPORTED, in a run it makes anyway).
+MLflow on a SQLite store (the kind MLflow recommends and the default, mlflow.db; no MLFLOW_ALLOW_FILE_STORE) and W&B
+offline follow a 2-process run whose rank 0 is SIGKILLed, restarted by torchrun and then rerun with a later
+max_steps: one tracked run, holding each metrics.jsonl row once, read back with MLflow's own client and W&B's own
+reader of its offline files (`wandb leet inspect --json`). An unreachable MLflow server costs one warning line; a
+missing package, or a store MLflow would refuse, is a one-line error before training that names the install command
+or the way out; a run that asks for a tracker imports its package in its tracker process only (one that asks for
+none imports neither: tests/test_cli.py, NOT_IMPORTED, in a run it makes anyway).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import subprocess
 from pathlib import Path
 
 from support import (
+    PROJECT_DIR,
     PYTHON,
     TINY,
     assert_ok,
@@ -46,9 +48,13 @@ def tracked_args(tmp_path: Path, run_dir: Path, max_steps: int) -> list[str]:
         "trainer_config.eval_every_steps=10", "trainer_config.save_every_steps=20", "trainer_config.progress=lines",
         f"trainer_config.snapshot_path={tmp_path / 'snaps'}", f"hydra.run.dir={run_dir}",
         f"trainer_config.snapshot_storage_options={{token:'{SECRET}'}}",
-        "tracking_config.mlflow=true", f"tracking_config.mlflow_tracking_uri={tmp_path / 'mlruns'}",
+        "tracking_config.mlflow=true", f"tracking_config.mlflow_tracking_uri={mlflow_store(tmp_path)}",
         "tracking_config.wandb=true", f"tracking_config.wandb_dir={tmp_path}",
     ]
+
+
+def mlflow_store(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"  # an absolute path: sqlite:////tmp/...
 
 
 def tracker_env(tmp_path: Path) -> dict[str, str]:
@@ -85,17 +91,17 @@ def kill_rank_0_and_resume(args: list[str], tmp_path: Path, run_dir: Path, at_st
     return output
 
 
-def mlflow_runs(tmp_path: Path, monkeypatch) -> tuple[object, list]:
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow-skinny reads the file store only when allowed
+def mlflow_runs(tmp_path: Path) -> tuple[object, list]:
+    """MLflow's own client on the store as the run left it (no setting of ours; MLFLOW_ALLOW_FILE_STORE unset)."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient((tmp_path / "mlruns").as_uri())
+    client = MlflowClient(tracking_uri=mlflow_store(tmp_path))
     experiment = client.get_experiment_by_name("mingpt-ddp")
     return client, client.search_runs([experiment.experiment_id])
 
 
-def check_mlflow(tmp_path: Path, monkeypatch, expected: list[dict]) -> None:
-    client, runs = mlflow_runs(tmp_path, monkeypatch)
+def check_mlflow(tmp_path: Path, expected: list[dict]) -> None:
+    client, runs = mlflow_runs(tmp_path)
     assert len(runs) == 1, [run.info.run_id for run in runs]
     run = runs[0]
     assert run.info.status == "FINISHED"
@@ -109,6 +115,8 @@ def check_mlflow(tmp_path: Path, monkeypatch, expected: list[dict]) -> None:
         if key in EXACT:
             assert logged == wanted, key
     assert [artifact.path for artifact in client.list_artifacts(run.info.run_id)] == ["loss.png"]
+    # the run's files beside its database, in a folder of the experiment's (MLflow's default: mlruns/ in the cwd)
+    assert (tmp_path / "mlartifacts" / "mingpt-ddp" / run.info.run_id / "artifacts" / "loss.png").is_file()
 
 
 def wandb_history(tmp_path: Path) -> tuple[set[str], list[dict]]:
@@ -140,6 +148,7 @@ def check_wandb(tmp_path: Path, expected: list[dict]) -> None:
 
 
 def test_a_killed_resumed_and_rerun_job_is_one_tracked_run_with_each_row_once(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # the SQLite store needs no opt-in, here or below
     run_a, run_b = tmp_path / "run_a", tmp_path / "run_b"
     # Killed at step 25 or a little later: its snapshot is at step 20, the next one would be at 40.
     output = kill_rank_0_and_resume(tracked_args(tmp_path, run_a, max_steps=50), tmp_path, run_a, at_step=25)
@@ -155,10 +164,11 @@ def test_a_killed_resumed_and_rerun_job_is_one_tracked_run_with_each_row_once(tm
     assert "resumed from" in rerun.stdout and rerun.stdout.count("continuing after step 50") == 2
 
     expected = first_rows([run_a, run_b])
-    check_mlflow(tmp_path, monkeypatch, expected)
+    check_mlflow(tmp_path, expected)
     check_wandb(tmp_path, expected)
     assert json.loads((tmp_path / "snaps" / KEY_FILE).read_text())["location"] == str(tmp_path / "snaps")
-    for path in [*(tmp_path / "mlruns").rglob("*"), *(tmp_path / "wandb").rglob("*"), run_a / LOG_FILE]:
+    stored = [tmp_path / "mlflow.db", *(tmp_path / "mlartifacts").rglob("*"), *(tmp_path / "wandb").rglob("*")]
+    for path in [*stored, run_a / LOG_FILE]:
         assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
 
 
@@ -181,15 +191,43 @@ def test_an_unreachable_mlflow_server_is_one_warning_and_the_run_goes_on(tmp_pat
     assert imported and not [line for line in imported if "mlflow" in line or "wandb" in line]
 
 
-def test_a_tracker_whose_package_is_missing_is_a_one_line_error(tmp_path):
+def hiding(tmp_path: Path, *modules: str) -> dict[str, str]:
+    """The environment of a process in which these packages look as if they were not installed."""
     hidden = tmp_path / "hidden"
-    hidden.mkdir()
-    (hidden / "sitecustomize.py").write_text('import sys\nsys.modules["mlflow"] = sys.modules["wandb"] = None\n')
-    env = {**subprocess_env(tmp_path), "PYTHONPATH": str(hidden)}  # as if neither package were installed
-    for switch, package in (("mlflow", "mlflow-skinny"), ("wandb", "wandb")):
+    hidden.mkdir(exist_ok=True)
+    (hidden / "sitecustomize.py").write_text("import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in modules))
+    return {**subprocess_env(tmp_path), "PYTHONPATH": str(hidden)}
+
+
+def test_a_tracker_whose_package_is_missing_is_a_one_line_error_naming_the_install_command(tmp_path):
+    env = hiding(tmp_path, "mlflow", "wandb")  # as if neither package were installed
+    for switch in ("mlflow", "wandb"):
         result = subprocess.run(cli([f"tracking_config.{switch}=true"]), cwd=tmp_path, env=env, capture_output=True,
                                 text=True, timeout=120)
         assert result.returncode == 2
-        assert_one_error_line(result, f"tracking_config.{switch}=true needs the {switch} package: "
-                                      f"pip install {package}")
+        assert_one_error_line(result, re.escape(f"tracking_config.{switch}=true needs the {switch} package: "
+                                                f"pip install -r requirements-{switch}.txt"))
+        assert switch in (PROJECT_DIR / f"requirements-{switch}.txt").read_text()
+    # mlflow-skinny alone (no SQLAlchemy): the default SQLite store cannot open
+    result = subprocess.run(cli(["tracking_config.mlflow=true"]), cwd=tmp_path, env=hiding(tmp_path, "sqlalchemy"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert_one_error_line(result, re.escape("MLflow's SQLite store needs the sqlalchemy package: "
+                                            "pip install -r requirements-mlflow.txt"))
     assert not (tmp_path / "outputs").exists()  # stopped before Hydra made a run directory
+
+
+def test_a_file_store_is_refused_in_one_line_unless_the_user_allows_it(tmp_path):
+    """MLflow 3 refuses a folder (its file store, in maintenance mode) unless MLFLOW_ALLOW_FILE_STORE=true: so does
+    the run, before training, naming the way out; the user's opt-in is MLflow's own, and the run then starts."""
+    env = {key: value for key, value in subprocess_env(tmp_path).items() if key != "MLFLOW_ALLOW_FILE_STORE"}
+    folder = tmp_path / "mlruns"
+    args = ["tracking_config.mlflow=true", f"tracking_config.mlflow_tracking_uri={folder}", "--cfg", "job"]
+    result = subprocess.run(cli(args), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert_one_error_line(result, re.escape(f"tracking_config.mlflow_tracking_uri: {folder} is a folder, MLflow's "
+                                            f"file store, which MLflow 3 refuses") + ".*mlflow migrate-filestore"
+                                            ".*MLFLOW_ALLOW_FILE_STORE=true")
+    allowed = subprocess.run(cli(args), cwd=tmp_path, env={**env, "MLFLOW_ALLOW_FILE_STORE": "true"},
+                             capture_output=True, text=True, timeout=120)
+    assert_ok(allowed)

@@ -38,6 +38,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, TextIO
+from urllib.parse import unquote, urlparse
 
 from mingpt import PROJECT_DIR
 from mingpt.errors import UsageError, describe
@@ -45,7 +46,12 @@ from mingpt.storage.durable import temporary_name
 
 log = logging.getLogger(__name__)
 
-PACKAGES = {"mlflow": ("mlflow", "mlflow-skinny"), "wandb": ("wandb", "wandb")}  # switch: (module, pip package)
+# switch: (the module it imports, the project's requirements file that installs it: README, "Install")
+PACKAGES = {"mlflow": ("mlflow", "requirements-mlflow.txt"), "wandb": ("wandb", "requirements-wandb.txt")}
+MLFLOW_SQL = ("sqlalchemy", "alembic")  # what MLflow's SQL store (sqlite:...) needs beyond mlflow-skinny
+MLFLOW_DB = "mlflow.db"  # the default store, sqlite:///<project>/mlflow.db: MLflow's own default name (mlflow ui's)
+MLFLOW_ARTIFACTS = "mlartifacts"  # beside a SQLite store: the runs' files, a folder per experiment
+OLD_MLFLOW_DEFAULT = PROJECT_DIR / "mlruns"  # the default store before mlflow.db: MLflow's file store
 WANDB_MODES = ("offline", "online")
 KEY_FILE = "tracking.json"  # in the snapshot folder: the key of the tracked run these snapshots belong to
 LOG_FILE = "tracking.log"  # in the run directory: what the tracker process and its libraries print
@@ -61,13 +67,15 @@ class TrackingConfig:
     """Experiment trackers fed by global rank 0 beside metrics.jsonl and TensorBoard (docs/tracking.md)."""
 
     mlflow: bool = False
-    """log the config, every metrics.jsonl row and the loss plot to MLflow (pip install mlflow-skinny)"""
+    """log the config, every metrics.jsonl row and the loss plot to MLflow (needs requirements-mlflow.txt)"""
     mlflow_tracking_uri: Optional[str] = None
-    """a server (http://host:5000) or local folder (relative = to the project); null: $MLFLOW_TRACKING_URI or mlruns"""
+    """a server (http://host:5000) or sqlite:///FILE (relative: to the project); null: $MLFLOW_TRACKING_URI or mlflow.db
+    (sqlite:///mlflow.db in the project, MLflow's default store); a folder is MLflow's file store, which MLflow 3
+    refuses unless MLFLOW_ALLOW_FILE_STORE=true"""
     mlflow_experiment: str = "mingpt-ddp"
     """the MLflow experiment the run goes into (created if missing)"""
     wandb: bool = False
-    """log the config, every metrics.jsonl row and the loss plot to Weights & Biases (pip install wandb)"""
+    """log the config, every metrics.jsonl row and the loss plot to Weights & Biases (needs requirements-wandb.txt)"""
     wandb_mode: str = "offline"
     """offline (files in wandb_dir/wandb; upload with wandb sync) | online (needs wandb login or WANDB_API_KEY)"""
     wandb_project: str = "mingpt-ddp"
@@ -87,9 +95,12 @@ class TrackingConfig:
                              f"got {self.wandb_mode!r}")
         if self.timeout_s <= 0:
             raise UsageError(f"tracking_config.timeout_s must be positive, got {self.timeout_s}")
-        for switch, (module, package) in PACKAGES.items():
+        for switch, (module, requirements) in PACKAGES.items():
             if getattr(self, switch) and importlib.util.find_spec(module) is None:  # found, not imported
-                raise UsageError(f"tracking_config.{switch}=true needs the {module} package: pip install {package}")
+                raise UsageError(f"tracking_config.{switch}=true needs the {module} package: "
+                                 f"pip install -r {requirements}")
+        if self.mlflow:
+            check_mlflow_store(self.mlflow_tracking_uri)
 
     @property
     def enabled(self) -> bool:
@@ -118,27 +129,87 @@ def local_folder(path: str, base: Path = PROJECT_DIR) -> Path:
     return (base / Path(path).expanduser()).resolve()
 
 
+def sqlite_uri(path: Path) -> str:
+    return f"sqlite:///{path}"  # an absolute path: sqlite:////home/...
+
+
+def file_store_allowed() -> bool:
+    """Whether the user opted in to MLflow's file store, read as MLflow reads it."""
+    return os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1")
+
+
+def file_store_data(folder: Path) -> bool:
+    """Whether a folder holds an MLflow file store's runs (an experiment folder with its meta.yaml), as MLflow asks."""
+    return any(entry.is_dir() and entry.name.isdigit() and (entry / "meta.yaml").exists()
+               for entry in (folder.iterdir() if folder.is_dir() else ()))
+
+
 def mlflow_uri(configured: Optional[str]) -> str:
-    """The tracking URI: the config's (a relative folder taken from the project), else $MLFLOW_TRACKING_URI (a
-    relative folder taken from where the command runs, as MLflow does), else the project's mlruns/ folder."""
+    """The tracking URI: the config's (a relative path taken from the project), else $MLFLOW_TRACKING_URI (a
+    relative path taken from where the command runs, as MLflow does), else the project's mlflow.db, the SQLite
+    store MLflow itself defaults to; as in MLflow, the default stays the old mlruns/ where that holds runs, no
+    mlflow.db exists and MLFLOW_ALLOW_FILE_STORE=true (without it: check_mlflow_store). A SQLite file or a folder
+    comes out absolute: the tracker process runs in the project folder, not where the command was run."""
     if configured is not None:
         uri, base = configured, PROJECT_DIR
     elif os.environ.get("MLFLOW_TRACKING_URI"):
         uri, base = os.environ["MLFLOW_TRACKING_URI"], Path.cwd()
+    elif file_store_allowed() and file_store_data(OLD_MLFLOW_DEFAULT) and not (PROJECT_DIR / MLFLOW_DB).exists():
+        return OLD_MLFLOW_DEFAULT.as_uri()
     else:
-        uri, base = "mlruns", PROJECT_DIR
+        return sqlite_uri(PROJECT_DIR / MLFLOW_DB)
+    if uri.startswith("sqlite:///"):
+        path, query = uri[len("sqlite:///"):].partition("?")[::2]
+        if path and not path.startswith("/") and path != ":memory:":
+            return sqlite_uri(local_folder(path, base)) + (f"?{query}" if query else "")
+        return uri
     if SCHEME.match(uri) or uri == "databricks":
         return uri
     return local_folder(uri, base).as_uri()
 
 
+def check_mlflow_store(configured: Optional[str]) -> None:
+    """The stores MLflow would refuse in the tracker process, refused before anything runs, in one line: a SQLite
+    store without MLflow's SQL packages; a file store (a folder), which MLflow 3 keeps in maintenance mode, without
+    MLFLOW_ALLOW_FILE_STORE=true; and the default mlflow.db while the old default mlruns/ holds runs (they would be
+    left behind, and a resumed run would start a new tracked run)."""
+    uri = mlflow_uri(configured)
+    where = ("tracking_config.mlflow_tracking_uri" if configured is not None
+             else "$MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "tracking_config.mlflow")
+    if uri.startswith("sqlite:"):
+        missing = next((module for module in MLFLOW_SQL if importlib.util.find_spec(module) is None), None)
+        if missing is not None:
+            raise UsageError(f"{where}: MLflow's SQLite store needs the {missing} package: "
+                             f"pip install -r {PACKAGES['mlflow'][1]}")
+        if uri == sqlite_uri(PROJECT_DIR / MLFLOW_DB) and not (PROJECT_DIR / MLFLOW_DB).exists() \
+                and file_store_data(OLD_MLFLOW_DEFAULT):
+            raise UsageError(f"{where}: {OLD_MLFLOW_DEFAULT} holds MLflow runs in a file store (this project's "
+                             f"default before {MLFLOW_DB}): move them into {MLFLOW_DB} with `mlflow migrate-filestore "
+                             f"--source {OLD_MLFLOW_DEFAULT} --target {uri}`, or set MLFLOW_ALLOW_FILE_STORE=true to "
+                             f"keep using the folder")
+    elif uri.startswith("file:") and not file_store_allowed():
+        folder = unquote(urlparse(uri).path)
+        raise UsageError(f"{where}: {folder} is a folder, MLflow's file store, which MLflow 3 refuses (maintenance "
+                         f"mode): use a SQLite store, sqlite:///FILE (null: the project's {MLFLOW_DB}), into which "
+                         f"`mlflow migrate-filestore --source {folder} --target sqlite:///FILE` moves the folder's "
+                         f"runs, or set MLFLOW_ALLOW_FILE_STORE=true to keep the folder")
+
+
+def mlflow_artifacts(uri: str, experiment: str) -> Optional[str]:
+    """Where a new experiment's files go: beside a SQLite store, mlartifacts/EXPERIMENT (MLflow's own default is
+    mlruns/ in the folder the client runs in, wherever the database is); elsewhere, the store's choice."""
+    if not uri.startswith("sqlite:////"):
+        return None
+    database = Path(uri[len("sqlite:///"):].partition("?")[0])
+    return (database.parent / MLFLOW_ARTIFACTS / re.sub(r"[^A-Za-z0-9._-]+", "_", experiment)).as_uri()
+
+
 def mlflow_environment(timeout_s: float) -> dict[str, str]:
-    """MLflow's settings for the tracker process, each only where the user set none. mlflow-skinny has no SQL
-    store: a local folder is MLflow's file store, which MLflow 3 refuses unless allowed. Its HTTP client retries
+    """MLflow's settings for the tracker process, each only where the user set none. Its HTTP client retries
     7 times with growing waits (minutes) by default: an unreachable server should cost one warning within
     seconds."""
-    wanted = {"MLFLOW_ALLOW_FILE_STORE": "true", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-              "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, round(timeout_s)))}
+    wanted = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+              "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, round(timeout_s)))}
     return {name: value for name, value in wanted.items() if name not in os.environ}
 
 
@@ -336,7 +407,7 @@ class MlflowRun:
 
         conf = setup["mlflow"]
         self.client = MlflowClient(conf["uri"])
-        experiment = self._experiment(conf["experiment"])
+        experiment = self._experiment(conf["experiment"], conf["uri"])
         found = self.client.search_runs([experiment], f"tags.`mingpt.run_key` = '{setup['key']}'",
                                         order_by=["attributes.start_time DESC"], max_results=1)
         if found:
@@ -349,9 +420,11 @@ class MlflowRun:
         self.cursor = self._cursor()
         self.where = f"MLflow run {self.run_id} (experiment {conf['experiment']!r}, {conf['uri']})"
 
-    def _experiment(self, name: str) -> str:
+    def _experiment(self, name: str, uri: str) -> str:
         experiment = self.client.get_experiment_by_name(name)
-        return experiment.experiment_id if experiment is not None else self.client.create_experiment(name)
+        if experiment is not None:
+            return experiment.experiment_id
+        return self.client.create_experiment(name, artifact_location=mlflow_artifacts(uri, name))
 
     def _log_params(self, params: dict, existing: dict[str, str]) -> None:
         """The config as parameters; MLflow's are immutable, so a value changed on a resume (a raised max_steps)
