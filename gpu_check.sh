@@ -29,7 +29,7 @@
 # loss whose first step is reported, 1.4697), TRAIN_STEPS, EVAL_EVERY, VAL_BOUND, BUDGET_S, FORCE, PYTHON.
 # A developer's dry run of the logic on a CPU: GPU_CHECK_ALLOW_CPU=1 skips the CUDA gate and check (d), e.g.
 #   GPU_CHECK_ALLOW_CPU=1 BUDGET_S=1800 TRAIN_STEPS=200 EVAL_EVERY=100 VAL_BOUND=3.3 PYTHON=.venv/bin/python \
-#   BENCH_ARGS="gpt_config.n_layer=1 gpt_config.n_head=2 gpt_config.n_embd=32 trainer_config.compile=false
+#   BENCH_ARGS="gpt_config.n_layer=1 gpt_config.n_head=2 gpt_config.n_embd=32 parallel_config.compile=false
 #   trainer_config.mixed_precision=fp32 trainer_config.batch_size=4" TRAIN_ARGS="gpt_config.n_layer=1
 #   gpt_config.n_head=2 gpt_config.n_embd=32 trainer_config.mixed_precision=fp32 trainer_config.batch_size=4
 #   data_config.truncate=0.05" bash gpu_check.sh /tmp/gpu_check_dry
@@ -195,7 +195,7 @@ t0=$SECONDS
 run_limited "bench.py" "$OUT/bench.log" 240 "$PYTHON" benchmarks/bench.py --steps 20 --warmup 10 \
     ${PEAK_TFLOPS:+--peak-tflops "$PEAK_TFLOPS"} --json "$OUT/bench.json" \
     gpt_config.n_layer=12 gpt_config.n_head=12 gpt_config.n_embd=768 gpt_config.dropout=0.0 data_config.block_size=256 \
-    trainer_config.batch_size=64 trainer_config.mixed_precision=bf16 trainer_config.compile=true ${BENCH_ARGS:-} \
+    trainer_config.batch_size=64 trainer_config.mixed_precision=bf16 parallel_config.compile=true ${BENCH_ARGS:-} \
     || fail "bench.py exited with an error" "$OUT/bench.log"
 check_py "bench.py's MFU is not above 0, or it ran on the CPU" "$OUT/bench.log" "$OUT/bench.json" "$ON_GPU" <<'PY'
 import json, sys
@@ -278,7 +278,7 @@ fi
 t0=$SECONDS
 RUN="$OUT/run-fsdp"
 mkdir -p "$RUN"
-FSDP_RUN=("${TORCHRUN[@]}" main.py trainer_config.strategy=fsdp trainer_config.max_steps=200
+FSDP_RUN=("${TORCHRUN[@]}" main.py parallel_config.strategy=fsdp trainer_config.max_steps=200
           trainer_config.save_every_steps=100 trainer_config.eval_every_steps=100 trainer_config.progress=lines
           trainer_config.log_every_steps=10 trainer_config.snapshot_path="$RUN/snapshots" hydra.run.dir="$RUN"
           ${TRAIN_ARGS:-})

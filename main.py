@@ -1,12 +1,13 @@
-"""Train a character-level GPT with DistributedDataParallel: the Hydra entry point (the config itself is config.py).
+"""Train a character-level GPT with DistributedDataParallel: the Hydra entry point, its config schema and the wiring.
 
     torchrun --standalone --nproc_per_node=4 main.py                       # a 4-GPU node
     torchrun --standalone --nproc_per_node=2 main.py preset=cpu            # a CPU machine, 2 processes
     python main.py preset=cpu trainer_config.max_steps=200                 # one process, no torchrun
     python main.py gpt_config.n_layer=4 trainer_config.max_epochs=20       # any setting, Hydra style
 
-Steps: compose gpt2_train_cfg.yaml with the overrides (checked against the dataclass schemas, config.py, before any
-process group exists) -> read the text -> set up the process group -> build GPT and AdamW -> Trainer.fit().
+Steps: compose gpt2_train_cfg.yaml with the overrides (checked against TrainConfig, the schema below, before any
+process group exists) -> read the text -> set up the process group -> build GPT, spread it over the processes as
+parallel_config lays them out (with its optimizers) -> Trainer.fit().
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import logging
 import os
 import sys
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 import hydra
 import torch
@@ -32,11 +34,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from char_dataset import CharCorpus
+from char_dataset import CharCorpus, DataConfig
 from mingpt import config
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.compat import check_torch_supported
-from mingpt.config import CONFIG_NAME, TrainConfig, redacted, scrub_hydra_output, sweep_job_name, to_dataclasses
+from mingpt.config import CONFIG_NAME, redacted, scrub_hydra_output, sweep_job_name, to_dataclasses
 from mingpt.distributed.process_group import (
     DistContext,
     abandon_distributed,
@@ -52,47 +54,86 @@ from mingpt.distributed.process_group import (
 )
 from mingpt.distributed.stopping import exit_now
 from mingpt.errors import UsageError, describe
-from mingpt.optim import build_optimizer, check_optimizer_fits, lr_factor
-from mingpt.parallel.layout import writes_shards
+from mingpt.optim import OptimizerConfig, build_optimizer, check_optimizer_fits, lr_factor
+from mingpt.parallel.layout import ParallelConfig, writes_shards
+from mingpt.parallel.parallelize import parallelize
 from mingpt.reporting.logs import setup_logging
 from mingpt.reporting.plot import LossPlotter
-from mingpt.reporting.trackers import Tracking
+from mingpt.reporting.trackers import Tracking, TrackingConfig
 from mingpt.storage.locations import resolve_path
-from model import GPT
+from model import GPT, GPTConfig
 from sample import generate_text, one_core_spared
-from trainer import Trainer, resolve_attention, resolve_precision
+from trainer import Trainer, TrainerConfig, resolve_attention, resolve_precision
 
 log = logging.getLogger("mingpt")
 
 
+# ------------------------------------------------------------------------------------------------------- the config
+@dataclass
+class TrainConfig:
+    """The whole job; each section goes to the component that owns it."""
+
+    data_config: DataConfig = field(default_factory=DataConfig)
+    gpt_config: GPTConfig = field(default_factory=GPTConfig)
+    optimizer_config: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer_config: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    tracking_config: TrackingConfig = field(default_factory=TrackingConfig)
+
+    # Keys that moved to another section: one line naming the new place (mingpt.config.moved_key_error)
+    moved_keys: ClassVar[dict[str, str]] = {f"trainer_config.{key}": f"parallel_config.{key}"
+                                            for key in ("strategy", "compile", "activation_checkpointing")}
+
+    def __post_init__(self) -> None:
+        """What no section can check alone."""
+        for derived in ("vocab_size", "block_size"):
+            if getattr(self.gpt_config, derived) is not None:
+                raise UsageError(f"gpt_config.{derived} is set from the data; leave it null")
+        self.parallel_config.check_fits(self.gpt_config.n_head, self.gpt_config.n_layer, self.data_config.block_size,
+                                        self.trainer_config.batch_size, self.trainer_config.mixed_precision)
+
+
+def load_config(overrides: list[str]) -> TrainConfig:
+    """gpt2_train_cfg.yaml with these overrides, validated: what a tool other than training reads (bench.py)."""
+    return config.compose_config(TrainConfig, overrides)
+
+
 # ------------------------------------------------------------------------------------------------------- the job
+def model_config(cfg: TrainConfig, corpus: CharCorpus, device: torch.device) -> GPTConfig:
+    """The model as this run builds it: its vocabulary and context from the data, its attention resolved for the
+    device and precision (a snapshot records what ran, not "auto")."""
+    block_size = cfg.data_config.block_size
+    amp_dtype = resolve_precision(cfg.trainer_config.mixed_precision, device)
+    attention = resolve_attention(cfg.gpt_config.attention, device, amp_dtype, block_size, cfg.gpt_config.dropout)
+    return dataclasses.replace(cfg.gpt_config, vocab_size=len(corpus.vocab), block_size=block_size,
+                               attention=attention)
+
+
 def build_trainer(cfg: TrainConfig, corpus: CharCorpus, ctx: DistContext, run_dir: Optional[Path],
                   with_snapshots: bool = True, store: Optional[SnapshotStore] = None) -> Trainer:
-    """Model, optimizer, schedule, snapshot store and Trainer, as a training run (and benchmarks/bench.py) gets them.
-    `store`: the run's snapshot store if it was opened already (`open_snapshot_store`)."""
-    block_size = cfg.data_config.block_size
+    """Collective. Model, its layout over the processes with the optimizers, schedule, snapshot store and Trainer,
+    as a training run (and benchmarks/bench.py) gets them. `store`: the run's snapshot store if it was opened
+    already (`open_snapshot_store`)."""
     amp_dtype = resolve_precision(cfg.trainer_config.mixed_precision, ctx.device)
-    attention = resolve_attention(cfg.gpt_config.attention, ctx.device, amp_dtype, block_size, cfg.gpt_config.dropout)
-    gpt_cfg = dataclasses.replace(cfg.gpt_config, vocab_size=len(corpus.vocab), block_size=block_size,
-                                  attention=attention)  # the snapshot records what ran, not "auto"
+    check_optimizer_fits(cfg.optimizer_config, amp_dtype)
+    gpt_cfg = model_config(cfg, corpus, ctx.device)
     torch.manual_seed(cfg.trainer_config.seed)  # identical initial weights on every rank
     model = GPT(gpt_cfg).to(ctx.device)
-    log.info("model: %s parameters, %s attention", f"{model.num_params():,}", attention)
-    optimizer = functools.partial(build_optimizer, cfg=cfg.optimizer_config)  # built once the model is wrapped
-    schedule = functools.partial(lr_factor, cfg=cfg.optimizer_config)
-    check_optimizer_fits(cfg.optimizer_config, amp_dtype)
-    tc = cfg.trainer_config
+    log.info("model: %s parameters, %s attention", f"{model.num_params():,}", gpt_cfg.attention)
+    optimizers = functools.partial(build_optimizer, cfg=cfg.optimizer_config)
+    parallel = parallelize(model, cfg.parallel_config, ctx, amp_dtype, optimizers)
     if store is None and with_snapshots:
         store = open_snapshot_store(cfg)
     metadata = {
         "model_config": dataclasses.asdict(gpt_cfg),
         "vocab": corpus.vocab.chars,
-        "strategy": tc.strategy,
+        "strategy": cfg.parallel_config.strategy,
         "optimizer_name": cfg.optimizer_config.name,  # "optimizer" is its state
         "train_config": redacted(dataclasses.asdict(cfg)),
     }
-    return Trainer(tc, model, optimizer, schedule, corpus.train_dataset(), corpus.val_dataset(), ctx, run_dir,
-                   snapshots=store, snapshot_metadata=metadata, parallel_cfg=cfg.parallel_config)
+    schedule = functools.partial(lr_factor, cfg=cfg.optimizer_config)
+    return Trainer(cfg.trainer_config, parallel, schedule, corpus.train_dataset(), corpus.val_dataset(), run_dir,
+                   snapshots=store, snapshot_metadata=metadata)
 
 
 def open_snapshot_store(cfg: TrainConfig) -> SnapshotStore:
@@ -100,7 +141,7 @@ def open_snapshot_store(cfg: TrainConfig) -> SnapshotStore:
     of a layout that saves shards (FSDP, tensor and pipeline parallelism)."""
     tc = cfg.trainer_config
     store = SnapshotStore(resolve_path(tc.snapshot_path), tc.snapshot_storage_options)
-    if global_rank() == 0 or writes_shards(cfg.parallel_config, tc.strategy, world_size()):
+    if global_rank() == 0 or writes_shards(cfg.parallel_config, world_size()):
         store.check_writable()
     return store
 
@@ -122,7 +163,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
     on_abrupt_exit(trainer.checkpoints.finish_quietly)  # a snapshot being written is finished first
     trainer.fit()
     if trainer.trained_steps and not trainer.stopped_early:
-        model = trainer.full_model_copy(lambda: GPT(trainer.model_config))  # gathered from shards and stages
+        whole = model_config(cfg, corpus, ctx.device)
+        model = trainer.full_model_copy(lambda: GPT(whole))  # gathered from shards and stages
         if trainer.ctx.is_main:
             report_results(trainer, model, corpus, run_dir)
     tracking.finish(trainer.stopped_early)  # after the plot: it goes to the trackers too
@@ -163,7 +205,7 @@ def run_training(cfg: DictConfig) -> None:
         sweep_dir = Path(hydra_cfg.sweep.dir) if hydra_cfg.mode == RunMode.MULTIRUN else None
         scrub_hydra_output(run_dir, cfg, sweep_dir)
     try:
-        settings = to_dataclasses(cfg)
+        settings = to_dataclasses(cfg, TrainConfig)
         if hydra_cfg.mode == RunMode.MULTIRUN:
             # Each job of a sweep gets its own snapshots, named by its swept values: rerunning the sweep resumes each.
             job_name = sweep_job_name(sys.argv[1:], list(hydra_cfg.overrides.task)) or str(hydra_cfg.job.num)
@@ -181,12 +223,12 @@ hydra_main = hydra.main(version_base="1.3", config_path=".", config_name=CONFIG_
 
 def cli() -> None:
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
-        print(config.help_text())
+        print(config.help_text(TrainConfig))
         return
-    config.register()
+    config.register(TrainConfig)
     try:
         check_torch_supported()  # an older torch: one line here, not a TypeError from inside torch later
-        config.precheck_overrides(sys.argv[1:])  # a bad override in one line, before Hydra makes a run directory
+        config.precheck_overrides(TrainConfig, sys.argv[1:])  # a bad override in one line, before a run directory
     except UsageError as e:
         sys.exit(report_error(e))
     hydra_main()

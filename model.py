@@ -105,6 +105,12 @@ class GPTConfig:
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise UsageError(f"gpt_config.logit_softcap must be positive or null, got {self.logit_softcap}")
 
+    @property
+    def norm_eps(self) -> Optional[float]:
+        """The norms' epsilon: nn.LayerNorm's default 1e-5; None for RMSNorm, which torch then takes as the input
+        dtype's machine epsilon."""
+        return None if self.norm == "rmsnorm" else 1e-5
+
 
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t only attends to positions <= t."""
@@ -231,8 +237,8 @@ def make_activation(cfg: GPTConfig) -> nn.Module:
 def make_norm(cfg: GPTConfig) -> nn.Module:
     """A norm over the residual stream's width; either kind names its gain `weight`, so parameter names stay."""
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.n_embd)
-    return nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        return nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 class MLP(nn.Module):

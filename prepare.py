@@ -18,7 +18,7 @@ import time
 from typing import Callable, Optional
 
 from char_dataset import CharCorpus
-from mingpt import config
+from main import load_config
 from mingpt.errors import UsageError
 from mingpt.reporting.logs import setup_logging
 
@@ -46,7 +46,7 @@ def progress_bars() -> Optional[Callable[[str, int], Callable[[int], None]]]:
 
 def prepare(args: list[str]) -> str:
     rebuild = "--rebuild" in args
-    cfg = config.compose_config([a for a in args if a != "--rebuild"]).data_config
+    cfg = load_config([a for a in args if a != "--rebuild"]).data_config
     start = time.perf_counter()
     corpus = CharCorpus.load(cfg, build=True, progress=progress_bars(), rebuild=rebuild)
     seconds = time.perf_counter() - start

@@ -24,6 +24,7 @@ from typing import Optional
 from mingpt.checkpoint.store import SnapshotStore, consolidate, export, read_snapshot, summary
 from mingpt.errors import CorruptSnapshot, UsageError, describe
 from mingpt.storage.locations import resolve_path
+from model import GPTConfig
 
 
 def list_snapshots(location: str) -> list[dict]:
@@ -38,10 +39,8 @@ def list_snapshots(location: str) -> list[dict]:
         raise UsageError(f"cannot list {store.location}: {describe(e)}") from None
     rows = []
     for entry in entries:
-        path = store._path(entry.name)
-        size = store.fs.du(path, total=True) if entry.sharded else store.fs.size(path)
         rows.append({"name": entry.name, "step": entry.step, "format": "sharded" if entry.sharded else "file",
-                     "bytes": size, "url": store.url(entry.name)})
+                     "bytes": store.size(entry), "url": store.url(entry.name)})
     return rows
 
 
@@ -77,7 +76,7 @@ def cli(argv: Optional[list[str]] = None) -> int:
         elif args.format == "hf":
             from mingpt.checkpoint.hf_export import export_hf  # transformers: imported by this command alone
 
-            print(export_hf(args.source, args.target))
+            print(export_hf(args.source, args.target, GPTConfig))
         else:
             print(export(args.source, args.target))
     except (UsageError, CorruptSnapshot) as e:

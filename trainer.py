@@ -1,6 +1,7 @@
 """Distributed, mixed-precision training epochs with periodic evaluation and metrics.
 
-The trainer receives a built model, optimizer and datasets plus a `DistContext` (set up by main.py) and runs:
+The trainer receives the model as the layout spreads it (a `ParallelModel`: mingpt/parallel/parallelize.py, with
+the optimizers of what this process holds), the learning-rate schedule and the datasets (set up by main.py), and runs:
 
     for each epoch:  sampler.set_epoch(epoch)
         for each optimizer step:  grad_accum_steps micro-batches (gradients all-reduced on the last one only),
@@ -9,14 +10,14 @@ The trainer receives a built model, optimizer and datasets plus a `DistContext` 
             every eval_every_steps and at each epoch end: validation loss over all ranks
             a snapshot when the checkpointer's cadence says so; a stop after SIGTERM (mingpt.distributed.stopping)
 
-Nothing here is specific to GPT beyond `model(x, y) -> (logits, loss)`. Nothing here knows Hydra. The trainer's
-own snapshot state is its progress (`state_dict()`); the Checkpointer saves it beside the model, optimizer, scaler
-and loss window.
+Nothing here is specific to GPT beyond `model(x, y) -> (logits, loss)`, and nothing here depends on the layout: a
+replica, a sharded model or a pipeline is the ParallelModel's business. Nothing here knows Hydra. The trainer's own
+snapshot state is its progress (`state_dict()`); the Checkpointer saves it beside the model, optimizer, scaler and
+loss window.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import time
@@ -26,7 +27,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 from char_dataset import EPOCH_ORDER, LEGACY_ORDER, ResumableDistributedSampler
@@ -36,25 +36,8 @@ from mingpt.compat import cpu_has_native_bf16
 from mingpt.distributed.process_group import DistContext
 from mingpt.distributed.stopping import StopRequest
 from mingpt.errors import UsageError
-from mingpt.optim import Optimizers, as_optimizers
-from mingpt.parallel.data_parallel import (
-    ACTIVATION_CHECKPOINTING,
-    STRATEGIES,
-    ModelState,
-    OptimizerState,
-    Parallel,
-    clip_grad_norm,
-    group_of_one,
-    local_tensor,
-    model_from_tensors,
-    parameter_names,
-    prime_ddp_buckets,
-    sharded_gradient_scaler,
-    weights_sha256_of,
-    wrap_model,
-)
-from mingpt.parallel.hybrid import finish_pipeline_gradients, whole_model_tensors, wrap_on_mesh
-from mingpt.parallel.layout import Layout, Mesh, ParallelConfig, resolve_layout
+from mingpt.parallel.parallelize import ParallelModel
+from mingpt.parallel.state import weights_sha256_of
 from mingpt.reporting.logs import PROGRESS_MODES, MetricsLog, Progress, report_end
 from mingpt.storage.locations import check_location
 
@@ -82,18 +65,6 @@ class TrainerConfig:
     """clip the global gradient norm; 0 = off"""
     mixed_precision: str = "auto"
     """auto | bf16 | fp16 | fp32 (auto: bf16 on recent GPUs and bf16-capable CPUs, fp16 on older GPUs, else fp32)"""
-    strategy: str = "ddp"
-    """ddp | fsdp: every process holds the whole model, or 1/N of its weights, gradients and optimizer state
-
-    fsdp is torch's FSDP2 (fully_shard per transformer block and the root); its snapshots are folders of shards
-    (torch.distributed.checkpoint) that resume at any number of processes. Either strategy resumes the other's
-    snapshots."""
-    activation_checkpointing: str = "none"
-    """none | blocks: recompute each block's activations in the backward pass (less memory, more time)"""
-    compile: bool = False
-    """torch.compile the model
-
-    The first step compiles (~40 s on a CPU); then ~10% faster there."""
     seed: int = 1337
     """seeds weights, data order and dropout"""
     eval_every_steps: int = 500
@@ -142,10 +113,6 @@ class TrainerConfig:
             raise UsageError(
                 f"trainer_config.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}"
             )
-        for name, allowed in (("strategy", STRATEGIES), ("activation_checkpointing", ACTIVATION_CHECKPOINTING)):
-            if getattr(self, name) not in allowed:
-                raise UsageError(f"trainer_config.{name} must be one of {', '.join(allowed)}, "
-                                 f"got {getattr(self, name)!r}")
         if self.mixed_precision not in PRECISIONS:
             raise UsageError(
                 f"trainer_config.mixed_precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}"
@@ -242,36 +209,6 @@ def seed_dropout(seed: int, step: int, rank: int, device: torch.device) -> None:
         torch.cuda.default_generators[device.index].manual_seed(generator_seed)
 
 
-@torch.no_grad()
-def validation_loss(model: nn.Module, loader: DataLoader, max_batches: Optional[int], ctx: DistContext,
-                    split: Callable, autocast: Callable[[], contextlib.AbstractContextManager],
-                    lockstep: Optional[tuple[int, torch.Tensor]] = None) -> float:
-    """Collective. Mean per-character loss over the validation windows of all ranks (at most `max_batches` batches
-    per rank). With `lockstep` = (passes, filler windows), every rank makes exactly `passes` forward passes (under
-    FSDP each one is a collective): one whose own windows ran out runs the filler, uncounted."""
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # loss sum, characters
-    done = 0
-    for i, windows in enumerate(loader):
-        if max_batches is not None and i >= max_batches:
-            break
-        x, y = split(windows)
-        with autocast():
-            _, loss = model(x, y)
-        if loss is not None:  # under pipeline parallelism: on the last stage's ranks only
-            totals[0] += local_tensor(loss).double() * y.numel()
-            totals[1] += y.numel()
-        done += 1
-    if lockstep is not None:
-        passes, filler = lockstep
-        for _ in range(done, passes):
-            with autocast():
-                model(*split(filler))
-    model.train()
-    loss_sum, count = ctx.all_reduce(totals)
-    return (loss_sum / count).item()
-
-
 def resumed_order(order: str, epoch_samples: int, ctx: DistContext) -> str:
     """The order a resumed epoch continues in: its own, so every window is still seen once. A snapshot older than
     EPOCH_ORDER finishes its epoch in torch.randperm's order; one written by a newer version is refused."""
@@ -294,21 +231,6 @@ def eval_lockstep(val_data: Dataset, cfg: TrainerConfig, world_size: int) -> tup
     if cfg.eval_batches is not None:
         passes = min(passes, cfg.eval_batches)
     return passes, val_data.windows([0] * min(cfg.batch_size, len(val_data)))
-
-
-def strategy_of(layout: Layout, strategy: str) -> str:
-    """What the data-parallel ranks do, as `trainer_config.strategy` names it: fsdp when they shard (on a mesh, or
-    asked for in one process), ddp otherwise."""
-    return "fsdp" if layout.dp_shard > 1 or layout.needs_mesh or strategy == "fsdp" else "ddp"
-
-
-def gradient_scaler(amp_dtype: torch.dtype, strategy: str, ctx: DistContext) -> torch.amp.GradScaler:
-    """The fp16 loss scaler (disabled otherwise: bf16 has fp32's exponent range and needs no loss scaling). Under
-    FSDP each rank sees only its shards' gradients: the sharded scaler agrees on an overflow across ranks."""
-    enabled = amp_dtype == torch.float16
-    if strategy == "fsdp" and enabled:
-        return sharded_gradient_scaler(ctx.device, ctx.group)
-    return torch.amp.GradScaler(ctx.device.type, enabled=enabled)
 
 
 class ScalerState:
@@ -396,155 +318,30 @@ class LossWindow:
         self.loss_sum = torch.tensor(own, dtype=torch.float32, device=self.ctx.device)
 
 
-def optimizer_for(parallel: Parallel, optimizer: Any, strategy: str) -> Optimizers:
-    """The run's optimizers, or ones built now from a function of a module (returning an optimizer or an
-    `Optimizers`): FSDP replaces the parameters with shards, so an optimizer made before wrapping would update
-    parameters that are gone. Pipeline stages get theirs each."""
-    if strategy == "fsdp" and not callable(optimizer):
-        raise TypeError("under strategy=fsdp the Trainer builds the optimizer: pass a function of the model")
-    if not callable(optimizer):
-        return as_optimizers(optimizer, parallel.modules[0])
-    return Optimizers.merged(as_optimizers(optimizer(module), module) for module in parallel.modules)
-
-
-def log_resumed(trainer: Trainer, restored: Restored) -> None:
-    t = trainer
-    log.info("resumed from %s: step %d, epoch %d, sample %d of the epoch", restored.url, t.step, t.epoch,
-             t.epoch_samples)
-    if not t.ctx.is_main:  # one line for the job
-        return
-    if restored.world_size != t.ctx.world_size:
-        log.warning("snapshot was written by %d process(es), resuming with %d: continuing at global sample %d of "
-                    "epoch %d", restored.world_size, t.ctx.world_size, t.epoch_samples, t.epoch)
-    layout = t.parallel.name
-    if restored.layout != layout:
-        log.info("snapshot was trained under %s: its weights and optimizer state continue under %s", restored.layout,
-                 layout)
-    attention = t.checkpoints.metadata.get("model_config", {}).get("attention")
-    if attention is not None and restored.attention not in (None, "auto", attention):  # same function, other rounding
-        log.warning("snapshot was trained with %s attention, this run uses %s (gpt_config.attention): training "
-                    "continues, but not bit-for-bit as the snapshot's run would have", restored.attention, attention)
-
-
-def log_train(t: Trainer) -> None:
-    """Collective (the mean loss). The training line and its metrics row, for the steps since the last one."""
-    train_loss = t.window.mean_loss()
-    elapsed = time.perf_counter() - t.window.timed_from
-    steps = t.step - t.window.timed_step
-    tokens_per_s = steps * t.tokens_per_step / elapsed if elapsed > 0 else 0.0
-    row = {"step": t.step, "epoch": t.epoch, "train_loss": round(train_loss, 6), "lr": t._last_lr,
-           "tokens_per_s": round(tokens_per_s, 1), "ms_per_step": round(1000 * elapsed / max(1, steps), 2),
-           "elapsed_s": round(time.perf_counter() - t._fit_start, 2)}  # since this process started fit()
-    if t.window.grad_norm is not None:
-        row["grad_norm"] = round(t.window.grad_norm.item(), 6)
-    if t.scaler.is_enabled():
-        row["loss_scale"] = t.scaler.get_scale()
-    t.metrics.write(row)
-    line = (f"step {t.step}/{t.total_steps} | epoch {t.epoch} | loss {train_loss:.4f} | "
-            f"lr {t._last_lr:.2e} | {tokens_per_s:,.0f} tok/s | {row['ms_per_step']:.1f} ms/step")
-    t.progress.report(line, train_loss, tokens_per_s, t._last_lr)
-    t.window.reset(t.step)
-
-
-def forward_backward(t: Trainer, x: torch.Tensor, y: torch.Tensor, last: bool) -> Optional[torch.Tensor]:
-    """One micro-batch's forward and backward (a pipeline's: all its micro-batches'); its loss, where this rank
-    computes one. Only the last micro-batch of a step synchronises gradients."""
-    with t.parallel.micro_batch(last), t.parallel.loss_context():
-        if t.parallel.pipeline is not None:  # autocast is inside each stage's forward
-            loss = t.parallel.pipeline.step(x, y)
-            return None if loss is None else local_tensor(loss)
-        with t.autocast():
-            _, loss = t.model(x, y)
-        t.scaler.scale(loss / t.cfg.grad_accum_steps).backward()
-    return local_tensor(loss.detach())
-
-
-def distribute(t: Trainer, model: nn.Module, optimizer: torch.optim.Optimizer | Callable, cfg: ParallelConfig) -> None:
-    """Collective. The trainer's model spread over the processes as the layout says, and the optimizer (one per
-    pipeline stage) over what this process holds."""
-    t.model_config = getattr(model, "config", None)  # what a whole copy of the model is built from
-    t._whole_shapes = {name: (value.shape, value.dtype) for name, value in model.state_dict().items()}
-    numbered = parameter_names(optimizer(model), model) if cfg.pp > 1 and callable(optimizer) else None
-    t.parallel = parallelize(model, t.layout, t.strategy, t.cfg, cfg, t.amp_dtype, t.ctx)
-    # Unwrapped (sharded in place under FSDP): what snapshots and the replica check read. A pipeline stage keeps only
-    # its blocks: the whole model is not kept.
-    t.raw_model = model if t.parallel.pipeline is None else None
-    t.eval_model, t.ddp, t.model = t.parallel.eval_model, t.parallel.ddp, t.parallel.model
-    t.optimizer = optimizer_for(t.parallel, optimizer, t.strategy)
-    t._numbered_names = numbered
-
-
-def parallelize(model: nn.Module, layout: Layout, strategy: str, cfg: TrainerConfig, parallel_cfg: ParallelConfig,
-                amp_dtype: torch.dtype, ctx: DistContext) -> Parallel:
-    """Collective. The model spread over the processes as the layout says: on a device mesh, or plain DDP/FSDP."""
-    if layout.needs_mesh:
-        mesh = Mesh.build(layout, ctx.device)
-        return wrap_on_mesh(model, mesh, cfg.activation_checkpointing, cfg.compile, amp_dtype, ctx.device,
-                            parallel_cfg)
-    parallel = wrap_model(model, strategy, cfg.activation_checkpointing, cfg.compile, amp_dtype, ctx)
-    parallel.mesh, parallel.name = Mesh(layout), strategy
-    parallel.modules = [model]  # the unwrapped model (not DDP's or torch.compile's wrapper): what snapshots read
-    return parallel
-
-
-def make_checkpointer(t: Trainer, snapshots: Optional[SnapshotStore], metadata: dict) -> Checkpointer:
-    """The trainer's snapshots: model, optimizer, scaler, progress and loss window, with what they were trained
-    under as this run resolved it."""
-    if metadata:
-        metadata = {**metadata, "strategy": t.cfg.strategy, "layout": t.parallel.name}
-    named = t.parallel.sharded_snapshots
-    pp_group = t.parallel.pipeline.pp_group if t.parallel.pipeline is not None else None
-    states = {"model": ModelState(t.parallel.modules, t.parallel.permuted, named),
-              "optimizer": OptimizerState(t.optimizer.by_module(), t.parallel.permuted, named,
-                                          t._numbered_names, pp_group),
-              "scaler": ScalerState(t.scaler, t.amp_dtype, t.ctx), "progress": t, "loss_window": t.window}
-    cadence = Cadence(t.cfg.save_every, t.cfg.save_every_steps, t.cfg.keep_last)
-    return Checkpointer(snapshots, metadata, cadence, t.ctx, states, sharded=t.parallel.sharded_snapshots,
-                        exit_wait_s=t.cfg.stop_timeout_s)
-
-
-def log_plan(trainer: Trainer) -> None:
-    """The line that says what this fit() is about to do."""
-    t = trainer
-    if t.step >= t.total_steps:
-        log.info("nothing to train: the snapshot in %s is at step %d, the end of this run (max_steps=%s, max_epochs="
-                 "%d). To continue it, raise trainer_config.max_steps or trainer_config.max_epochs; to start afresh, "
-                 "use another trainer_config.snapshot_path", t.checkpoints.location, t.step, t.cfg.max_steps,
-                 t.cfg.max_epochs)
-        return
-    log.info("training: steps %d -> %d (%d per epoch, %d epochs max), %d process(es) on %s, %s, %s, %s tokens per "
-             "step", t.step, t.total_steps, t.steps_per_epoch, t.cfg.max_epochs, t.ctx.world_size, t.ctx.device.type,
-             t.parallel.name, str(t.amp_dtype).removeprefix("torch."), f"{t.tokens_per_step:,}")
-
-
 class Trainer:
-    """Runs the epochs. Nothing in it is specific to GPT beyond `model(x, y) -> (logits, loss)`. Snapshots go through
-    a Checkpointer (store `snapshots`, None for none); the trainer says when training allows one and what its own
-    progress is (`state_dict()`)."""
+    """Runs the epochs of one job. Its state is its own: the progress it saves in snapshots (`state_dict()`), the
+    data position, the loss window, the scaler, the snapshots (a Checkpointer over `snapshots`, None for none).
+    Nothing in it is specific to GPT beyond `model(x, y) -> (logits, loss)`, nor to a layout: `parallel` (built by
+    mingpt.parallel.parallelize, with the optimizers of what this process holds) runs the forward and backward passes,
+    finishes and clips the gradients, evaluates and hands snapshots the model's and optimizers' state."""
 
     def __init__(
         self,
         cfg: TrainerConfig,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | Optimizers | Callable[[nn.Module], torch.optim.Optimizer | Optimizers],
+        parallel: ParallelModel,
         lr_schedule: Callable[[int, int], float],  # (step, total steps) -> fraction of each group's peak rate
         train_data: Dataset,
         val_data: Dataset,
-        ctx: DistContext,
         run_dir: Optional[Path] = None,
         snapshots: Optional[SnapshotStore] = None,
         snapshot_metadata: Optional[dict] = None,
-        parallel_cfg: Optional[ParallelConfig] = None,
     ) -> None:
-        self.layout = resolve_layout(parallel_cfg or ParallelConfig(), cfg.strategy, ctx.world_size)
-        self.strategy = strategy_of(self.layout, cfg.strategy)
-        ctx = group_of_one(ctx) if self.strategy == "fsdp" else ctx  # FSDP needs a group, even of one process
-        self.cfg, self.ctx, self.lr_schedule = cfg, ctx, lr_schedule
-        self.amp_dtype = resolve_precision(cfg.mixed_precision, ctx.device)
-        self.scaler = gradient_scaler(self.amp_dtype, self.strategy, ctx)
-        distribute(self, model, optimizer, parallel_cfg or ParallelConfig())
+        self.cfg, self.parallel, self.lr_schedule = cfg, parallel, lr_schedule
+        self.ctx = parallel.ctx  # the process group the layout's collectives go through (FSDP alone: a group of one)
+        self.optimizers = parallel.optimizers
+        self.scaler = parallel.gradient_scaler()
         self._setup_data(train_data, val_data)
-        self.metrics = MetricsLog(run_dir, enabled=ctx.is_main)
+        self.metrics = MetricsLog(run_dir, enabled=self.ctx.is_main)
         # Progress: everything the position in training depends on, saved in snapshots (`state_dict`).
         self.step = 0  # optimizer steps done
         self.epoch = 0  # current epoch (= completed epochs)
@@ -552,31 +349,34 @@ class Trainer:
         self.epoch_order = EPOCH_ORDER  # the current epoch's order (an older snapshot's epoch ends in its own)
         self.last_val_loss: Optional[float] = None
         self._last_eval_step = -1
+        self._last_lr = 0.0  # the first group's rate at the last step (AdamW's, as it was scheduled)
         self._batches: Optional[Iterator] = None
-        self._parameters: Optional[list[nn.Parameter]] = None  # what clipping reads (`_clipped_parameters`)
-        self.window = LossWindow(ctx, counted=self.parallel.pipeline is None or self.parallel.pipeline.has_last_stage)
-        self.checkpoints = make_checkpointer(self, snapshots, snapshot_metadata or {})
-        self.stop = StopRequest(ctx.rank, ctx.device, ctx.group, cfg.stop_timeout_s, self.checkpoints.finish_quietly)
+        self.window = LossWindow(self.ctx, counted=parallel.computes_loss)
+        self.checkpoints = self._checkpointer(snapshots, snapshot_metadata or {})
+        self.stop = StopRequest(self.ctx.rank, self.ctx.device, self.ctx.group, cfg.stop_timeout_s,
+                                self.checkpoints.finish_quietly)
         self.progress = Progress("off", False, 0, 0)
         self._fit_start = time.perf_counter()
         self.stopped_early = False
         self.trained_steps = 0  # optimizer steps taken by this fit() (0: the snapshot was already at the end)
         self.total_steps = self._total_steps()
-        if self.ddp is not None:
-            windows = val_data.windows(list(range(min(cfg.batch_size, len(val_data)))))
-            prime_ddp_buckets(self.model, self.optimizer, self.split(windows), self.autocast, ctx.device)
+        parallel.prepare(self.split(val_data.windows(list(range(min(cfg.batch_size, len(val_data)))))))
+
+    @property
+    def amp_dtype(self) -> torch.dtype:
+        return self.parallel.amp_dtype
 
     def _setup_data(self, train_data: Dataset, val_data: Dataset) -> None:
-        cfg, ctx = self.cfg, self.ctx
+        cfg = self.cfg
         # Batches are split over the data-parallel ranks: tensor-parallel peers and pipeline stages share theirs.
-        data_ranks, data_rank = self.layout.dp, self.parallel.mesh.dp_rank if self.layout.needs_mesh else ctx.rank
+        data_ranks, data_rank = self.parallel.data_ranks, self.parallel.data_rank
         self.n_train = len(train_data)
         self.sampler = ResumableDistributedSampler(len(train_data), data_ranks, data_rank, cfg.seed)
-        self.train_loader = make_loader(train_data, self.sampler, cfg.batch_size, True, cfg, ctx.device)
+        self.train_loader = make_loader(train_data, self.sampler, cfg.batch_size, True, cfg, self.ctx.device)
         own_val_windows = range(data_rank, len(val_data), data_ranks)  # disjoint across replicas, no padding
         # Without gradients a window needs a fraction of the memory: evaluate EVAL_BATCH_FACTOR x larger batches.
         self.val_loader = make_loader(val_data, own_val_windows, cfg.batch_size * EVAL_BATCH_FACTOR, False, cfg,
-                                      ctx.device)
+                                      self.ctx.device)
         self._eval_lockstep = eval_lockstep(val_data, cfg, data_ranks) if self.parallel.lockstep_eval else None
         self.global_batch = cfg.batch_size * cfg.grad_accum_steps * data_ranks  # windows per optimizer step
         self.tokens_per_step = self.global_batch * train_data[0][0].numel()
@@ -586,20 +386,22 @@ class Trainer:
                              f"{cfg.batch_size} x {cfg.grad_accum_steps} x {data_ranks} windows, but the training "
                              f"split has only {self.n_train}")
 
+    def _checkpointer(self, snapshots: Optional[SnapshotStore], metadata: dict) -> Checkpointer:
+        """The snapshots of this trainer: the model and optimizers in the layout's form, the scaler, the progress
+        and the loss window, with the layout they were trained under."""
+        if metadata:
+            metadata = {**metadata, "layout": self.parallel.name}
+        states = {**self.parallel.snapshot_states(), "scaler": ScalerState(self.scaler, self.amp_dtype, self.ctx),
+                  "progress": self, "loss_window": self.window}
+        cadence = Cadence(self.cfg.save_every, self.cfg.save_every_steps, self.cfg.keep_last)
+        return Checkpointer(snapshots, metadata, cadence, self.ctx, states, sharded=self.parallel.sharded_snapshots,
+                            exit_wait_s=self.cfg.stop_timeout_s)
+
     def split(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) on the device from a (B, T+1) batch of windows: one copy (asynchronous when the loader pinned
         it), then two views. On the CPU no copy at all: the same views as the dataset's `__getitems__`."""
         windows = windows.to(self.ctx.device, non_blocking=True)
         return windows[:, :-1], windows[:, 1:]
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype != torch.float32)
-
-    @contextlib.contextmanager
-    def _evaluation_context(self) -> Iterator[None]:
-        """A validation forward pass: autocast, and the loss over the vocabulary's shards under tensor parallelism."""
-        with self.parallel.loss_context(), self.autocast():
-            yield
 
     def _steps_left_in_epoch(self) -> int:
         return (self.n_train - self.epoch_samples) // self.global_batch
@@ -650,40 +452,33 @@ class Trainer:
     def _restore(self) -> None:
         restored = self.checkpoints.restore()
         if restored is not None:
-            log_resumed(self, restored)
+            self._log_resumed(restored)
             self.window.restart_clock(self.step)  # speed counts this process's steps from here
         else:
             self.window.reset(self.step)
-        log_plan(self)
+        self._log_plan()
 
     def train_step(self) -> None:
         """One optimizer step on the next batches of the epoch (bench.py times exactly this)."""
         if self._batches is None:
             self._batches = self.epoch_batches()
-        self.optimizer.schedule(self.step, self.lr_schedule(self.step, self.total_steps))
+        self.optimizers.schedule(self.step, self.lr_schedule(self.step, self.total_steps))
         seed_dropout(self.cfg.seed, self.step, self.ctx.rank, self.ctx.device)
-        for micro_step in range(self.cfg.grad_accum_steps):
+        micro_batches = self.cfg.grad_accum_steps
+        for micro_step in range(micro_batches):
             x, y = self.split(next(self._batches))
-            self.window.add(forward_backward(self, x, y, last=micro_step == self.cfg.grad_accum_steps - 1))
-        if self.parallel.pipeline is not None:  # the tied embedding's two copies; the mean over accumulated steps
-            finish_pipeline_gradients(self.parallel.pipeline, self.cfg.grad_accum_steps)
-        self.optimizer.unscale(self.scaler)  # clip the true gradients, not the scaled ones
+            self.window.add(self.parallel.forward_backward(x, y, self.scaler, micro_batches,
+                                                           last=micro_step == micro_batches - 1))
+        self.parallel.finish_gradients()
+        self.optimizers.unscale(self.scaler)  # clip the true gradients, not the scaled ones
         if self.cfg.grad_norm_clip > 0:
-            self.window.grad_norm = clip_grad_norm(self._clipped_parameters(), self.cfg.grad_norm_clip,
-                                                   self.parallel.pipeline)
-        self.optimizer.step(self.scaler)  # skipped by the scaler when fp16 gradients overflowed
+            self.window.grad_norm = self.parallel.clip_grad_norm(self.cfg.grad_norm_clip)
+        self.optimizers.step(self.scaler)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizers.zero_grad(set_to_none=True)
         self.step += 1
         self.epoch_samples += self.global_batch
-        self._last_lr = self.optimizer.param_groups[0]["lr"]  # the first group's: AdamW's, as it was scheduled
-
-    def _clipped_parameters(self) -> list[nn.Parameter]:
-        """The model's parameters, listed once (model.parameters() walks every module: 50 us a step); under FSDP
-        every step, as FSDP swaps the registered parameters around its forward and backward passes."""
-        if self._parameters is None or self.parallel.sharded:
-            self._parameters = [p for module in self.parallel.modules for p in module.parameters()]
-        return self._parameters
+        self._last_lr = self.optimizers.param_groups[0]["lr"]
 
     def epoch_batches(self) -> Iterator[torch.Tensor]:
         """The (B, T+1) window batches of the rest of the current epoch, as training consumes them."""
@@ -698,7 +493,7 @@ class Trainer:
     def _after_step(self) -> None:
         last_step = self.step == self.total_steps
         if self.step % self.cfg.log_every_steps == 0 or last_step:
-            log_train(self)
+            self._log_train()
         if last_step or (self.cfg.eval_every_steps and self.step % self.cfg.eval_every_steps == 0):
             self._evaluate()  # the last step is evaluated before any snapshot of it is written
         finished_epoch = None
@@ -724,12 +519,37 @@ class Trainer:
     def _save(self, reason: str) -> None:
         self.window.exclude(self.checkpoints.save(self.step, reason))
 
-    # ----------------------------------------------------------------------------------------------- reporting
+    # ----------------------------------------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def validation_loss(self) -> float:
+        """Collective. Mean per-token loss over the validation windows of all ranks (at most eval_batches batches per
+        rank). Where a forward pass is a collective among ranks that read different windows (FSDP's shards), every
+        rank makes as many passes as the rank with the most windows: one whose own windows ran out runs a filler
+        batch, uncounted."""
+        self.parallel.train(False)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)  # loss sum, tokens
+        done = 0
+        for i, windows in enumerate(self.val_loader):
+            if self.cfg.eval_batches is not None and i >= self.cfg.eval_batches:
+                break
+            x, y = self.split(windows)
+            loss = self.parallel.evaluate(x, y)
+            if loss is not None:  # under pipeline parallelism: on the last stage's ranks only
+                totals[0] += loss.double() * y.numel()
+                totals[1] += y.numel()
+            done += 1
+        if self._eval_lockstep is not None:
+            passes, filler = self._eval_lockstep
+            for _ in range(done, passes):
+                self.parallel.evaluate(*self.split(filler))
+        self.parallel.train(True)
+        loss_sum, count = self.ctx.all_reduce(totals)
+        return (loss_sum / count).item()
+
     def _evaluate(self) -> float:
         """Collective. The validation loss, recorded, logged and written as a metrics row."""
         start = time.perf_counter()
-        self.last_val_loss = validation_loss(self.eval_model, self.val_loader, self.cfg.eval_batches, self.ctx,
-                                             self.split, self._evaluation_context, self._eval_lockstep)
+        self.last_val_loss = self.validation_loss()
         self._last_eval_step = self.step
         self.metrics.write({"step": self.step, "epoch": self.epoch, "val_loss": round(self.last_val_loss, 6),
                             "elapsed_s": round(time.perf_counter() - self._fit_start, 2)})
@@ -738,14 +558,65 @@ class Trainer:
         self.window.exclude(time.perf_counter() - start)  # evaluation time does not count against tokens/s
         return self.last_val_loss
 
-    def full_model_copy(self, build: Callable[[], nn.Module]) -> Optional[nn.Module]:
-        """Collective on a mesh and under FSDP. The whole model, unsharded, on global rank 0 (None elsewhere)."""
-        return model_from_tensors(whole_model_tensors(self.parallel, self._whole_shapes), build, self.ctx.is_main,
-                                  whole=None if self.parallel.sharded_snapshots else self.raw_model)
+    # ----------------------------------------------------------------------------------------------- reporting
+    def _log_plan(self) -> None:
+        """The line that says what this fit() is about to do."""
+        if self.step >= self.total_steps:
+            log.info("nothing to train: the snapshot in %s is at step %d, the end of this run (max_steps=%s, "
+                     "max_epochs=%d). To continue it, raise trainer_config.max_steps or trainer_config.max_epochs; to "
+                     "start afresh, use another trainer_config.snapshot_path", self.checkpoints.location, self.step,
+                     self.cfg.max_steps, self.cfg.max_epochs)
+            return
+        log.info("training: steps %d -> %d (%d per epoch, %d epochs max), %d process(es) on %s, %s, %s, %s tokens "
+                 "per step", self.step, self.total_steps, self.steps_per_epoch, self.cfg.max_epochs,
+                 self.ctx.world_size, self.ctx.device.type, self.parallel.name,
+                 str(self.amp_dtype).removeprefix("torch."), f"{self.tokens_per_step:,}")
+
+    def _log_resumed(self, restored: Restored) -> None:
+        log.info("resumed from %s: step %d, epoch %d, sample %d of the epoch", restored.url, self.step, self.epoch,
+                 self.epoch_samples)
+        if not self.ctx.is_main:  # one line for the job
+            return
+        if restored.world_size != self.ctx.world_size:
+            log.warning("snapshot was written by %d process(es), resuming with %d: continuing at global sample %d of "
+                        "epoch %d", restored.world_size, self.ctx.world_size, self.epoch_samples, self.epoch)
+        if restored.layout != self.parallel.name:
+            log.info("snapshot was trained under %s: its weights and optimizer state continue under %s",
+                     restored.layout, self.parallel.name)
+        attention = self.checkpoints.metadata.get("model_config", {}).get("attention")
+        # the same function either way, but other rounding
+        if attention is not None and restored.attention not in (None, "auto", attention):
+            log.warning("snapshot was trained with %s attention, this run uses %s (gpt_config.attention): training "
+                        "continues, but not bit-for-bit as the snapshot's run would have", restored.attention,
+                        attention)
+
+    def _log_train(self) -> None:
+        """Collective (the mean loss). The training line and its metrics row, for the steps since the last one."""
+        train_loss = self.window.mean_loss()
+        elapsed = time.perf_counter() - self.window.timed_from
+        steps = self.step - self.window.timed_step
+        tokens_per_s = steps * self.tokens_per_step / elapsed if elapsed > 0 else 0.0
+        row = {"step": self.step, "epoch": self.epoch, "train_loss": round(train_loss, 6), "lr": self._last_lr,
+               "tokens_per_s": round(tokens_per_s, 1), "ms_per_step": round(1000 * elapsed / max(1, steps), 2),
+               "elapsed_s": round(time.perf_counter() - self._fit_start, 2)}  # since this process started fit()
+        if self.window.grad_norm is not None:
+            row["grad_norm"] = round(self.window.grad_norm.item(), 6)
+        if self.scaler.is_enabled():
+            row["loss_scale"] = self.scaler.get_scale()
+        self.metrics.write(row)
+        line = (f"step {self.step}/{self.total_steps} | epoch {self.epoch} | loss {train_loss:.4f} | "
+                f"lr {self._last_lr:.2e} | {tokens_per_s:,.0f} tok/s | {row['ms_per_step']:.1f} ms/step")
+        self.progress.report(line, train_loss, tokens_per_s, self._last_lr)
+        self.window.reset(self.step)
+
+    # ----------------------------------------------------------------------------------------------- the end
+    def full_model_copy(self, build: Callable[[], Any]) -> Optional[Any]:
+        """Collective under sharded layouts. The whole model, unsharded, on global rank 0 (None elsewhere)."""
+        return self.parallel.full_model_copy(build)
 
     def _finish(self) -> None:
         """Collective. Every rank's weights compared, the last line, and the summary."""
-        digest = weights_sha256_of(whole_model_tensors(self.parallel, self._whole_shapes))  # canonical, whole
+        digest = weights_sha256_of(self.parallel.whole_tensors())  # canonical, whole
         report_end(self.metrics, digest, self.ctx.gather_objects(digest), steps=self.step, epochs_completed=self.epoch,
                    finished=not self.stopped_early, val_loss=self.last_val_loss,
                    wall_time_s=round(time.perf_counter() - self._fit_start, 2), world_size=self.ctx.world_size)

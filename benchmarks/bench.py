@@ -4,9 +4,9 @@
     OMP_NUM_THREADS=1 python benchmarks/bench.py preset=nanogpt_cpu                 # 1 process, 1 thread
     torchrun --standalone --nproc_per_node=2 benchmarks/bench.py preset=nanogpt_cpu # 2 processes x 1 thread
     python benchmarks/bench.py --snapshots 3  # + time training is blocked per snapshot
-    python benchmarks/bench.py --steps 50 --json result.json trainer_config.compile=true gpt_config.n_layer=12 ...
+    python benchmarks/bench.py --steps 50 --json result.json parallel_config.compile=true gpt_config.n_layer=12 ...
     python benchmarks/bench.py --baseline nanogpt preset=nanogpt_cpu  # + nanoGPT's CPU loop, step for step
-    torchrun --standalone --nproc_per_node=2 benchmarks/bench.py --snapshots 3 trainer_config.strategy=fsdp  # sharded
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench.py --snapshots 3 parallel_config.strategy=fsdp  # sharded
     torchrun --standalone --nproc_per_node=2 benchmarks/bench.py --scaling preset=nanogpt_cpu  # + 1 process alone
 
 Arguments starting with `--` are the benchmark's own; everything else is a Hydra override, exactly as for main.py.
@@ -57,12 +57,11 @@ import torch.distributed as dist
 
 import main
 from char_dataset import CharCorpus
-from mingpt import config
 from mingpt.distributed import process_group as distributed
 from mingpt.distributed.process_group import DistContext
 from mingpt.errors import UsageError
 from mingpt.optim import decay_groups
-from mingpt.parallel.data_parallel import is_dtensor
+from mingpt.parallel.state import is_dtensor
 from mingpt.reporting import logs as reporting
 from model import GPT
 from trainer import Trainer, TrainerConfig
@@ -273,8 +272,8 @@ def time_training(args, cfg, corpus: CharCorpus, ctx: DistContext, trainer: Trai
         solo = None
         if ctx.is_main:
             alone = DistContext.single_process(ctx.device)  # no DDP or FSDP, no collectives
-            unwrapped = dataclasses.replace(cfg.trainer_config, strategy="ddp")
-            solo = main.build_trainer(dataclasses.replace(cfg, trainer_config=unwrapped), corpus, alone, run_dir=None,
+            unwrapped = dataclasses.replace(cfg.parallel_config, strategy="ddp")
+            solo = main.build_trainer(dataclasses.replace(cfg, parallel_config=unwrapped), corpus, alone, run_dir=None,
                                       with_snapshots=False)
         time_scaling(trainer, solo, args.warmup)
         times, solo_times = time_scaling(trainer, solo, args.steps)
@@ -295,7 +294,7 @@ def timed_config(cfg, args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
-    cfg = config.compose_config(overrides)
+    cfg = main.load_config(overrides)
     corpus = CharCorpus.load(cfg.data_config, build=distributed.local_rank() == 0)
     ctx: DistContext = distributed.setup_distributed()
     try:
@@ -307,7 +306,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
         times, comparison = time_training(args, cfg, corpus, ctx, trainer)
         snapshot = time_snapshots(trainer, args.snapshots) if args.snapshots else None
         memory = memory_per_rank(trainer)  # collective: every rank's, the largest reported
-        result = {**summarize(args, cfg, trainer, times, snapshot), **memory, **comparison} if ctx.is_main else None
+        result = None
+        if ctx.is_main:
+            result = {**summarize(args, cfg, corpus, trainer, times, snapshot), **memory, **comparison}
     except BaseException:
         distributed.abandon_distributed()  # no collective teardown: a peer may never reach it
         raise
@@ -327,7 +328,7 @@ def state_bytes(trainer: Trainer) -> dict:
     params = [p for p in held.values() if p.requires_grad]
     parameters = sum(_local_bytes(p) for p in params)
     gradients = sum(_local_bytes(p) // p.element_size() * 4 for p in params)  # fp32 gradients (reduce dtype)
-    optimizer = sum(_local_bytes(value) for state in trainer.optimizer.state.values()
+    optimizer = sum(_local_bytes(value) for state in trainer.optimizers.state.values()
                     for value in state.values() if isinstance(value, torch.Tensor))
     return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer,
             "total": parameters + gradients + optimizer}
@@ -350,12 +351,13 @@ def memory_per_rank(trainer: Trainer) -> dict:
             "peak_memory_kind": "cuda max allocated" if trainer.ctx.device.type == "cuda" else "peak RSS"}
 
 
-def summarize(args, cfg, trainer: Trainer, times: list[float], snapshot: Optional[dict]) -> dict:
+def summarize(args, cfg, corpus: CharCorpus, trainer: Trainer, times: list[float], snapshot: Optional[dict]) -> dict:
     ctx = trainer.ctx
     median = statistics.median(times)
     tokens_per_s = trainer.tokens_per_step / median
+    model_config = main.model_config(cfg, corpus, ctx.device)
     with torch.device("meta"):  # the whole model's shape, allocating nothing (a pipeline rank holds some blocks)
-        whole = GPT(trainer.model_config)
+        whole = GPT(model_config)
     flops_per_token = whole.flops_per_token()
     peak, peak_source = peak_tflops(args.peak_tflops, ctx.device, trainer.amp_dtype)
     result = {
@@ -363,12 +365,12 @@ def summarize(args, cfg, trainer: Trainer, times: list[float], snapshot: Optiona
         "world_size": ctx.world_size,
         "threads_per_process": torch.get_num_threads(),
         "precision": str(trainer.amp_dtype).removeprefix("torch."),
-        "strategy": cfg.trainer_config.strategy,
+        "strategy": cfg.parallel_config.strategy,
         "layout": trainer.parallel.name,  # the strategy's name, or the degrees on a device mesh ("pp 2 x dp_shard 2")
-        "activation_checkpointing": cfg.trainer_config.activation_checkpointing,
-        "compile": cfg.trainer_config.compile,
+        "activation_checkpointing": cfg.parallel_config.activation_checkpointing,
+        "compile": cfg.parallel_config.compile,
         "attention": cfg.gpt_config.attention,
-        "model": {k: getattr(trainer.model_config, k) for k in ("n_layer", "n_head", "n_embd", "block_size")},
+        "model": {k: getattr(model_config, k) for k in ("n_layer", "n_head", "n_embd", "block_size")},
         "n_params": whole.num_params(),
         "batch_size_per_process": cfg.trainer_config.batch_size,
         "grad_accum_steps": cfg.trainer_config.grad_accum_steps,

@@ -459,7 +459,7 @@ def run_references(workdir: Path, strategies: tuple[str, ...], nproc: int, steps
     """An uninterrupted run per strategy (their weights differ: another reduction order)."""
     references = {}
     for strategy in strategies:
-        overrides = (f"trainer_config.strategy={strategy}",)
+        overrides = (f"parallel_config.strategy={strategy}",)
         reference = run_reference(workdir / f"reference-{strategy}", nproc, steps, timeout, code, overrides)
         log(f"reference ({strategy}): {steps} steps in {reference['seconds']} s (start-up "
             f"{reference['startup_s']} s), sha256 {reference['sha256'][:16]}")
@@ -489,7 +489,7 @@ def run_chaos(trials: int, seed: int = 0, nproc: int = 2, workdir: Optional[Path
         reference = references[strategy]
         folder, trial_rng = workdir / f"trial-{i + 1:03d}", random.Random(rng.getrandbits(64))
         trial = run_trial(i + 1, folder, restart, targets[i * kills : (i + 1) * kills], trial_rng, nproc, steps,
-                          reference["startup_s"], timeout, code, (f"trainer_config.strategy={strategy}",))
+                          reference["startup_s"], timeout, code, (f"parallel_config.strategy={strategy}",))
         trial.strategy = strategy
         if trial.resumed:
             trial.identical, why = compare(folder / "run", reference)
@@ -550,7 +550,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the full results to this JSON file")
     parser.add_argument("--timeout", type=float, default=300, help="seconds one attempt may take (default 300)")
     parser.add_argument("--strategy", choices=("ddp", "fsdp", "both"), default="ddp",
-                        help="trainer_config.strategy of the job (default ddp; fsdp saves folders of shards; both: "
+                        help="parallel_config.strategy of the job (default ddp; fsdp saves folders of shards; both: "
                              "trials alternate, each against its strategy's own reference)")
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))

@@ -362,9 +362,9 @@ def cpu_model() -> str:
 
 def composed_setup(args: argparse.Namespace, env: dict[str, str]) -> Setup:
     """Our composed config's tokens per step and evaluation batches (torch and the project load here, once)."""
-    from mingpt import config
+    from main import load_config
 
-    cfg = config.compose_config(args.overrides)
+    cfg = load_config(args.overrides)
     trainer, block = cfg.trainer_config, cfg.data_config.block_size
     tokens_per_step = trainer.batch_size * trainer.grad_accum_steps * block * args.nproc
     batches = None if args.eval_batches in (None, "all") else int(args.eval_batches)  # None: the whole split

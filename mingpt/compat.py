@@ -7,6 +7,7 @@ a public fallback (README, "Supported versions").
     DDP(model, **ddp_no_buffer_sync())       # DDP's keyword for "buffers need no syncing" in this release
     dcp.save(state, **dcp_alone(group))      # DCP's keywords for a group, or for this process alone (None)
     abort_process_group()                    # a failed rank leaves its NCCL communicators without waiting for peers
+    sharded_gradient_scaler(device, group)   # fp16 under FSDP: an overflow agreed across ranks, for fused AdamW
     cpu_has_native_bf16()                    # bf16 in hardware on this CPU (mixed_precision=auto)
 """
 
@@ -95,6 +96,30 @@ def abort_process_group() -> None:
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is not None:
         abort()
+
+
+def sharded_gradient_scaler(device: torch.device, group: Any) -> torch.amp.GradScaler:
+    """fp16 under FSDP: each rank sees only its shards' gradients, so an overflow is agreed across ranks (torch's
+    ShardedGradScaler all-reduces it over `group`).
+
+    Private interface: ShardedGradScaler hands fused AdamW a (1,)-shaped overflow flag summed over ranks, where the
+    fused step wants GradScaler's ()-shaped 0/1 (it subtracts the flag from its step counts: torch/optim/adam.py,
+    _fused_adam); the flags are reshaped in GradScaler's private `_per_optimizer_states` (seen in torch 2.6 to
+    2.13). Where that is missing, fp16 under FSDP is refused in one line: bf16 needs no loss scaling."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    class AgreedOverflowScaler(ShardedGradScaler):
+        def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+            super().unscale_(optimizer)
+            state = self._per_optimizer_states[id(optimizer)]
+            state["found_inf_per_device"] = {where: flag.clamp(max=1.0).reshape(())
+                                             for where, flag in state["found_inf_per_device"].items()}
+
+    scaler = AgreedOverflowScaler(device.type, enabled=True, process_group=group)
+    if not isinstance(getattr(scaler, "_per_optimizer_states", None), dict):
+        raise UsageError(f"mixed_precision=fp16 under FSDP needs GradScaler internals that torch {torch.__version__} "
+                         f"lacks (an overflow agreed across ranks): use mixed_precision=bf16")
+    return scaler
 
 
 def cpu_has_native_bf16() -> bool:

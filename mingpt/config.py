@@ -1,8 +1,14 @@
-"""The training config: its schema (the six components' dataclasses), composing gpt2_train_cfg.yaml with the
-command line into validated dataclasses with one-line errors, sweep job names, the `--help` text and masking of
+"""The config layer: registering a schema (a dataclass of sections, each a component's own dataclass; main.py's
+TrainConfig for training), composing gpt2_train_cfg.yaml with the command line into validated dataclasses with
+one-line errors, keys that moved named with their new place, sweep job names, the `--help` text and masking of
 storage options. Each field's help is the docstring under it in its dataclass: `--help` prints it, and
 gpt2_train_cfg.yaml carries it as the key's comment (tests/test_config.py fails if the two drift apart).
-main.py, sample.py and bench.py use this module; only it and they touch Hydra."""
+
+    config.register(TrainConfig)                          # main.py, before Hydra composes anything
+    cfg = config.compose_config(TrainConfig, overrides)   # tools other than training (bench.py, prepare.py)
+
+The schema comes from the commands at the root: this package never imports them. Only this module and the
+commands touch Hydra."""
 
 from __future__ import annotations
 
@@ -10,56 +16,40 @@ import ast
 import dataclasses
 import inspect
 import json
+import re
 import textwrap
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from char_dataset import DataConfig
 from mingpt import PROJECT_DIR
 from mingpt.distributed.process_group import global_rank
 from mingpt.errors import UsageError, first_line
-from mingpt.optim import OptimizerConfig
-from mingpt.parallel.layout import ParallelConfig
-from mingpt.reporting.trackers import TrackingConfig
-from model import GPTConfig
-from trainer import TrainerConfig
 
 CONFIG_NAME = "gpt2_train_cfg"
+Schema = TypeVar("Schema")
 
 
-@dataclass
-class TrainConfig:
-    """The whole job; each section goes to the component that owns it."""
-
-    data_config: DataConfig = field(default_factory=DataConfig)
-    gpt_config: GPTConfig = field(default_factory=GPTConfig)
-    optimizer_config: OptimizerConfig = field(default_factory=OptimizerConfig)
-    trainer_config: TrainerConfig = field(default_factory=TrainerConfig)
-    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
-    tracking_config: TrackingConfig = field(default_factory=TrackingConfig)
-
-
-def register() -> None:
-    """Make the schema and the resolver known to Hydra (before any composition; a second call does nothing).
+def register(schema: type) -> None:
+    """Make the training schema and the resolver known to Hydra (before any composition; again: the same).
 
     The schema is registered under a name other than the YAML's and listed first in the YAML's defaults: every key
     and value in the YAML and on the command line is then checked against the dataclasses. Every rank composes the
     config, but only global rank 0 may write Hydra's .hydra/ folder (`${rank_zero_only:.hydra}`)."""
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    ConfigStore.instance().store(name="train_schema", node=schema)
     if not OmegaConf.has_resolver("rank_zero_only"):
         OmegaConf.register_new_resolver("rank_zero_only", lambda value: value if global_rank() == 0 else None)
 
 
-def compose_config(overrides: list[str]) -> TrainConfig:
+def compose_config(schema: type[Schema], overrides: list[str]) -> Schema:
     """gpt2_train_cfg.yaml + overrides as validated dataclasses, for tools other than training (bench.py)."""
     flags = [a for a in overrides if a.startswith("-")]
     if flags:
         raise UsageError(f"unknown options: {' '.join(flags)}")
-    return to_dataclasses(precheck_config_overrides(CONFIG_NAME, overrides)[0])
+    register(schema)
+    return to_dataclasses(precheck_config_overrides(CONFIG_NAME, overrides, schema)[0], schema)
 
 
 # Hydra's command-line flags: those whose next argument (or `=value`) is their value, those without one, and those
@@ -110,14 +100,15 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
     return jobs
 
 
-def precheck_config_overrides(config_name: str, args: list[str]) -> Optional[list[DictConfig]]:
+def precheck_config_overrides(config_name: str, args: list[str],
+                              schema: Optional[type] = None) -> Optional[list[DictConfig]]:
     """Compose a config (one per job of a sweep) with Hydra's compose API, so that a bad override fails with one
-    line.
+    line; a key the `schema` says has moved (its `moved_keys`) is named with its new place.
 
     Hydra's own report of the same error spans several lines plus a hint about HYDRA_FULL_ERROR. Its flags are
     set aside (`--cfg job`, `-m`: under `-m` every swept value is checked); with flags that load another config
-    (`--config-name`, ...) the check is left to Hydra itself (returns None)."""
-    register()
+    (`--config-name`, ...) the check is left to Hydra itself (returns None). The config's schema must be registered
+    already (its command registers it)."""
     split = split_hydra_flags(args)
     if split is None:
         return None
@@ -129,7 +120,7 @@ def precheck_config_overrides(config_name: str, args: list[str]) -> Optional[lis
         with initialize_config_dir(config_dir=str(PROJECT_DIR), version_base="1.3"):
             composed = [compose(config_name=config_name, overrides=job) for job in jobs]
     except Exception as e:  # Hydra raises several exception types; all are user errors here
-        raise composition_error(e) from None
+        raise moved_key_error(e, schema) or composition_error(e) from None
     return composed
 
 
@@ -140,60 +131,58 @@ def composition_error(error: Exception) -> UsageError:
     return UsageError(f"{first_line(error)}{detail}")
 
 
-def precheck_overrides(overrides: list[str]) -> None:
+UNKNOWN_KEY = re.compile(r"Key '(\w+)' not in '(\w+)'")  # OmegaConf's words for a key its schema lacks
+
+
+def moved_key_error(error: Exception, schema: Optional[type]) -> Optional[UsageError]:
+    """A composition that failed on a key the schema's `moved_keys` ({"section.key": "new_section.key"}) lists,
+    from the command line or a YAML file alike, as one line naming where the key is now; None for any other error."""
+    moved = getattr(schema, "moved_keys", {}) if schema is not None else {}
+    if not moved:
+        return None
+    sections = {section.__name__: name for name, section in section_schemas(schema).items()}
+    cause = error.__cause__ or error.__context__
+    for text in (str(error), str(cause or "")):
+        found = UNKNOWN_KEY.search(text)
+        key = found and f"{sections.get(found.group(2))}.{found.group(1)}"
+        if key in moved:
+            return _moved(key, moved)
+    return None
+
+
+def _moved(key: str, moved: dict[str, str]) -> UsageError:
+    return UsageError(f"{key} is now {moved[key]}: set {moved[key]}=... instead")
+
+
+def precheck_overrides(schema: type, overrides: list[str]) -> None:
     """The training config with these overrides, checked (keys, types, values) before Hydra makes a run folder."""
-    for composed in precheck_config_overrides(CONFIG_NAME, overrides) or []:
-        to_dataclasses(composed)
+    for composed in precheck_config_overrides(CONFIG_NAME, overrides, schema) or []:
+        to_dataclasses(composed, schema)
 
 
-def _check_known_keys(section: DictConfig, schema: type, prefix: str) -> None:
-    """Hydra accepts `+section.new_key=...` even against a schema; a key nothing reads is a mistake."""
+def _check_known_keys(section: DictConfig, schema: type, prefix: str, moved: dict[str, str]) -> None:
+    """Hydra accepts `+section.new_key=...` even against a schema; a key nothing reads is a mistake (and one that
+    moved is named with its new place)."""
     allowed = {f.name for f in dataclasses.fields(schema)}
     unknown = sorted(set(section.keys()) - allowed)
+    if unknown and f"{prefix}.{unknown[0]}" in moved:
+        raise _moved(f"{prefix}.{unknown[0]}", moved)
     if unknown:
         raise UsageError(f"unknown config key {prefix}.{unknown[0]} (known keys: {', '.join(sorted(allowed))})")
 
 
-def to_dataclasses(cfg: DictConfig) -> TrainConfig:
-    """The composed config as plain validated dataclasses (each `__post_init__` checks its own ranges)."""
-    sections = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+def to_dataclasses(cfg: DictConfig, schema: type[Schema]) -> Schema:
+    """The composed config as plain validated dataclasses (each `__post_init__` checks its own ranges, the schema's
+    own the checks across sections)."""
+    sections = section_schemas(schema)
     unknown = sorted(set(cfg.keys()) - sections.keys())
     if unknown:
         raise UsageError(f"unknown config section {unknown[0]!r} (known: {', '.join(sections)})")
-    schemas = {f.name: type(getattr(TrainConfig(), f.name)) for f in dataclasses.fields(TrainConfig)}
     built: dict[str, Any] = {}
-    for name, schema in schemas.items():
-        _check_known_keys(cfg[name], schema, name)
-        built[name] = schema(**OmegaConf.to_container(cfg[name], resolve=True))
-    for derived in ("vocab_size", "block_size"):
-        if getattr(built["gpt_config"], derived) is not None:
-            raise UsageError(f"gpt_config.{derived} is set from the data; leave it null")
-    check_parallel_fits(built["parallel_config"], built["gpt_config"], built["trainer_config"], built["data_config"])
-    return TrainConfig(**built)
-
-
-def check_parallel_fits(parallel: ParallelConfig, gpt: GPTConfig, trainer: TrainerConfig, data: DataConfig) -> None:
-    """The layout against the model, the batch and the context, in one line before anything runs."""
-    if gpt.n_head % parallel.tp:
-        raise UsageError(f"parallel_config.tp={parallel.tp} must divide gpt_config.n_head={gpt.n_head} (tensor "
-                         f"parallelism splits the attention heads)")
-    if data.block_size % parallel.tp:
-        raise UsageError(f"parallel_config.tp={parallel.tp} must divide data_config.block_size={data.block_size} "
-                         f"(sequence parallelism splits each window's positions)")
-    stages = parallel.pp * parallel.stages_per_rank
-    if parallel.pp_layers is not None and (len(parallel.pp_layers) != stages or sum(parallel.pp_layers) != gpt.n_layer):
-        raise UsageError(f"parallel_config.pp_layers={list(parallel.pp_layers)} must give each of the {stages} "
-                         f"pipeline stages its blocks, {gpt.n_layer} in all (gpt_config.n_layer)")
-    if parallel.pp > 1 and stages > gpt.n_layer + 1:  # the first stage may hold only the embeddings
-        raise UsageError(f"{stages} pipeline stages (parallel_config.pp x pp_stages_per_rank) need at least "
-                         f"{stages - 1} blocks, gpt_config.n_layer={gpt.n_layer}")
-    microbatches = parallel.pp_microbatches or stages
-    if parallel.pp > 1 and trainer.batch_size % microbatches:
-        raise UsageError(f"trainer_config.batch_size={trainer.batch_size} must split into "
-                         f"{microbatches} pipeline micro-batches (parallel_config.pp_microbatches)")
-    if parallel.pp > 1 and trainer.mixed_precision == "fp16":
-        raise UsageError("mixed_precision=fp16 is not offered with pipeline parallelism (its loss scale would have to "
-                         "be agreed across stages): use bf16 or fp32")
+    for name, section in sections.items():
+        _check_known_keys(cfg[name], section, name, getattr(schema, "moved_keys", {}))
+        built[name] = section(**OmegaConf.to_container(cfg[name], resolve=True))
+    return schema(**built)
 
 
 def redacted(config: dict) -> dict:
@@ -256,9 +245,10 @@ def field_help(schema: type) -> dict[str, str]:
     return helps
 
 
-def section_schemas() -> dict[str, type]:
+def section_schemas(schema: type) -> dict[str, type]:
     """The config's sections and their dataclasses, in the YAML's order."""
-    return {f.name: type(getattr(TrainConfig(), f.name)) for f in dataclasses.fields(TrainConfig)}
+    defaults = schema()
+    return {f.name: type(getattr(defaults, f.name)) for f in dataclasses.fields(schema)}
 
 
 def yaml_fields(path: Path) -> dict[str, dict[str, tuple[str, str]]]:
@@ -285,7 +275,7 @@ def yaml_fields(path: Path) -> dict[str, dict[str, tuple[str, str]]]:
     return fields
 
 
-def help_text() -> str:
+def help_text(schema: type) -> str:
     """`--help`: the config groups and every field with its default (the YAML's) and its help (the dataclass's)."""
     presets = ", ".join(sorted(p.stem for p in (PROJECT_DIR / "preset").glob("*.yaml")))
     lines = [
@@ -301,9 +291,9 @@ def help_text() -> str:
         f"Fields ({CONFIG_NAME}.yaml):",
     ]
     defaults = OmegaConf.load(PROJECT_DIR / f"{CONFIG_NAME}.yaml")  # the YAML's values, read as YAML
-    for section, schema in section_schemas().items():
+    for section, section_schema in section_schemas(schema).items():
         lines.append(f"  {section}")
-        for key, description in field_help(schema).items():
+        for key, description in field_help(section_schema).items():
             lines.append(f"    {key:<26} {_as_yaml(defaults[section][key]):<18} {description}")
     return "\n".join(lines)
 

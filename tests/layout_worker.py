@@ -30,12 +30,10 @@ import torch.distributed as dist
 import main
 from char_dataset import CharCorpus, DataConfig
 from mingpt.checkpoint.store import SnapshotStore, read_snapshot, summary
-from mingpt.config import TrainConfig
 from mingpt.distributed.process_group import DistContext, setup_distributed
 from mingpt.optim import OptimizerConfig
-from mingpt.parallel.data_parallel import weights_sha256_of
-from mingpt.parallel.hybrid import whole_model_tensors
 from mingpt.parallel.layout import ParallelConfig
+from mingpt.parallel.state import weights_sha256_of
 from model import GPTConfig
 from trainer import Trainer, TrainerConfig
 
@@ -74,12 +72,13 @@ def optimizer_of(name: str) -> OptimizerConfig:
     return MUON if name.endswith("muon") else ADAMW
 
 
-def config(strategy: str, parallel: dict, batch_size: int, snapshots: Path, optimizer: OptimizerConfig) -> TrainConfig:
-    trainer = TrainerConfig(max_steps=STEPS, batch_size=batch_size, mixed_precision="fp32", strategy=strategy,
-                            grad_norm_clip=0.3, eval_every_steps=0, save_every_steps=SAVED, keep_last=3,
-                            log_every_steps=100, progress="off", snapshot_path=str(snapshots))
-    return TrainConfig(DataConfig(block_size=16), GPTConfig(n_layer=4, n_head=4, n_embd=32, dropout=0.0),
-                       optimizer, trainer, ParallelConfig(**parallel))
+def config(strategy: str, parallel: dict, batch_size: int, snapshots: Path,
+           optimizer: OptimizerConfig) -> main.TrainConfig:
+    trainer = TrainerConfig(max_steps=STEPS, batch_size=batch_size, mixed_precision="fp32", grad_norm_clip=0.3,
+                            eval_every_steps=0, save_every_steps=SAVED, keep_last=3, log_every_steps=100,
+                            progress="off", snapshot_path=str(snapshots))
+    return main.TrainConfig(DataConfig(block_size=16), GPTConfig(n_layer=4, n_head=4, n_embd=32, dropout=0.0),
+                            optimizer, trainer, ParallelConfig(strategy=strategy, **parallel))
 
 
 def build(name: str, ctx: DistContext, snapshots: Path, batch_size: int = BATCH, optimizer: str = "") -> Trainer:
@@ -90,11 +89,11 @@ def build(name: str, ctx: DistContext, snapshots: Path, batch_size: int = BATCH,
 
 
 def whole_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {name: tensor.clone() for name, tensor in whole_model_tensors(trainer.parallel, trainer._whole_shapes)}
+    return {name: tensor.clone() for name, tensor in trainer.parallel.whole_tensors()}
 
 
 def digest(trainer: Trainer) -> str:
-    return weights_sha256_of(whole_model_tensors(trainer.parallel, trainer._whole_shapes))
+    return weights_sha256_of(trainer.parallel.whole_tensors())
 
 
 def reference(dp: int, folder: Path, optimizer: str) -> dict[str, torch.Tensor]:
@@ -110,7 +109,7 @@ def check(name: str, following: str, ctx: DistContext, out: Path) -> dict:
     trained = build(name, ctx, folder / "snapshots")
     trained.fit()
     weights, end = whole_weights(trained), digest(trained)
-    expected = reference(trained.layout.dp, folder / f"reference-{ctx.rank}", name)
+    expected = reference(trained.parallel.data_ranks, folder / f"reference-{ctx.rank}", name)
     differences = {key: (weights[key] - expected[key]).abs().max().item() for key in expected}
     dist.barrier()
     if ctx.is_main:  # the run as if killed right after the step-3 snapshot

@@ -267,7 +267,7 @@ def evaluation_shapes(mesh: Any) -> dict[str, Any]:
 
 
 def shard(dp_mesh: Any) -> Callable[[nn.Module], nn.Module]:
-    """FSDP2 on each block of the stage, then on the stage (as mingpt/parallel/hybrid.py shards a whole GPT)."""
+    """FSDP2 on each block of the stage, then on the stage (as mingpt/parallel/parallelize.py shards a whole GPT)."""
     from torch.distributed.fsdp import fully_shard
 
     def prepare(stage: nn.Module) -> nn.Module:

@@ -28,7 +28,8 @@ ROOT_ENTRIES = frozenset({
     "main.py", "trainer.py", "model.py", "char_dataset.py", "gpt2_train_cfg.yaml", "data", "tests", "requirements.txt",
     "sample.py", "sample_cfg.yaml", "snapshot.py", "prepare.py", "plot.py", "gpu_check.sh", "preset", "slurm",
     "mingpt", "benchmarks", "docs", "README.md", "Makefile", "pyproject.toml", "pytest.ini",
-    "requirements-oldest.txt", "requirements-test.txt", "requirements-without-torch.txt", "requirements-interop.txt",
+    "requirements-oldest.txt", "requirements-test.txt", "requirements-without-torch.txt", "requirements-hf.txt",
+    "requirements-mlflow.txt", "requirements-wandb.txt", "requirements-tensorboard.txt",
 })
 
 
@@ -70,25 +71,32 @@ def corpus_text(lines: int) -> str:
 
 
 def make_trainer(run_dir: Path | None = None, *, snapshots: Path | str | None = None, strategy: str = "ddp",
-                 dropout: float = 0.0, n_layer: int = 1, lines: int = 400, **trainer_kwargs):
+                 dropout: float = 0.0, n_layer: int = 1, lines: int = 400, **settings):
     """A Trainer in this process (no torchrun), built by main.build_trainer as a training run builds it: a GPT of
     `n_layer` blocks of width 16 over `lines` lines of corpus_text (block_size 16), AdamW at 1e-2 without warm-up,
-    fp32 and a log line every 5 steps unless `trainer_kwargs` (TrainerConfig's fields) say otherwise; its
-    snapshots in `snapshots` (a folder or URL; None: none), its metrics in `run_dir` (None: none)."""
+    fp32 and a log line every 5 steps unless `settings` (TrainerConfig's fields, or ParallelConfig's: compile,
+    activation_checkpointing) say otherwise; its snapshots in `snapshots` (a folder or URL; None: none), its metrics
+    in `run_dir` (None: none)."""
+    import dataclasses
+
     import main  # torch and the model: paid for by the tests that build a trainer only
     from char_dataset import CharCorpus, DataConfig
-    from mingpt.config import TrainConfig
     from mingpt.distributed.process_group import DistContext
     from mingpt.optim import OptimizerConfig
+    from mingpt.parallel.layout import ParallelConfig
     from model import GPTConfig
     from trainer import TrainerConfig
 
-    data = DataConfig(block_size=16)
-    settings = {"mixed_precision": "fp32", "log_every_steps": 5, "strategy": strategy, **trainer_kwargs}
+    parallel_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    parallel = ParallelConfig(strategy=strategy, **{k: v for k, v in settings.items() if k in parallel_fields})
+    trainer = {"mixed_precision": "fp32", "log_every_steps": 5,
+               **{k: v for k, v in settings.items() if k not in parallel_fields}}
     if snapshots is not None:
-        settings["snapshot_path"] = str(snapshots)
-    cfg = TrainConfig(data, GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, dropout=dropout),
-                      OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3), TrainerConfig(**settings))
+        trainer["snapshot_path"] = str(snapshots)
+    data = DataConfig(block_size=16)
+    cfg = main.TrainConfig(data, GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, dropout=dropout),
+                           OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3), TrainerConfig(**trainer),
+                           parallel)
     corpus = CharCorpus.from_text(corpus_text(lines), data)
     return main.build_trainer(cfg, corpus, DistContext(), run_dir, with_snapshots=snapshots is not None)
 

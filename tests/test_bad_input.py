@@ -167,11 +167,11 @@ CASES: dict[str, Case] = {
         ["gpt_config.attention=flash"],
         r"gpt_config\.attention must be one of auto, sdpa, matmul, got 'flash'"),
     "config: unknown strategy": Case(
-        ["trainer_config.strategy=zero3"],
-        r"trainer_config\.strategy must be one of ddp, fsdp, got 'zero3'"),
+        ["parallel_config.strategy=zero3"],
+        r"parallel_config\.strategy must be one of ddp, fsdp, got 'zero3'"),
     "config: unknown activation checkpointing": Case(
-        ["trainer_config.activation_checkpointing=all"],
-        r"trainer_config\.activation_checkpointing must be one of none, blocks, got 'all'"),
+        ["parallel_config.activation_checkpointing=all"],
+        r"parallel_config\.activation_checkpointing must be one of none, blocks, got 'all'"),
     "config: zero keep_last": Case(
         ["trainer_config.keep_last=0"],
         r"trainer_config\.keep_last must be positive, got 0"),
@@ -299,7 +299,7 @@ CASES: dict[str, Case] = {
         ["gpt_config.n_embd=64"],
         r"is for a different model: n_embd=32 in the snapshot, 64 in the config"),
     "snapshot: other model shape, resumed under fsdp": Case(
-        ["trainer_config.strategy=fsdp", "gpt_config.n_embd=64"],
+        ["parallel_config.strategy=fsdp", "gpt_config.n_embd=64"],
         r"is for a different model: n_embd=32 in the snapshot, 64 in the config"),
     "snapshot: a damaged folder of shards (snapshot.py info)": Case(
         ["{s}/snapshot-000000011.dcp"], prepare=lambda d, s: broken_shards(s),

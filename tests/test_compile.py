@@ -1,4 +1,4 @@
-"""trainer_config.compile=true trains the same model as eager mode, and its snapshots resume without compiling.
+"""parallel_config.compile=true trains the same model as eager mode, and its snapshots resume without compiling.
 
 The compiled run uses gpt_config.attention=matmul (the fastest compiled setting on a CPU) against eager sdpa, so the
 one compile this suite can afford also checks that both attention implementations train the same model, and that a
@@ -29,7 +29,7 @@ def train_losses(run_dir) -> dict[int, float]:
 def test_compiled_training_matches_eager_and_its_snapshot_resumes_eagerly(tmp_path):
     eager = run_cli(compile_args(tmp_path, "eager", 8), tmp_path)
     assert_ok(eager)
-    compiled_args = compile_args(tmp_path, "compiled", 8, "trainer_config.compile=true", "gpt_config.attention=matmul")
+    compiled_args = compile_args(tmp_path, "compiled", 8, "parallel_config.compile=true", "gpt_config.attention=matmul")
     compiled = run_cli(compiled_args, tmp_path, timeout=600)
     assert_ok(compiled)
 

@@ -7,19 +7,20 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from support import project_modules
 
+from main import TrainConfig
 from mingpt import config
 from mingpt.errors import UsageError
 from sample import SampleConfig
 
 
 def compose_cfg(overrides: list[str] | None = None):
-    config.register()
+    config.register(TrainConfig)
     with initialize_config_dir(config_dir=str(config.PROJECT_DIR), version_base="1.3"):
         return compose(config_name=config.CONFIG_NAME, overrides=overrides or [])
 
 
 def test_defaults_compose_to_valid_dataclasses():
-    cfg = config.to_dataclasses(compose_cfg())
+    cfg = config.to_dataclasses(compose_cfg(), TrainConfig)
     assert cfg.data_config.path == "data/input.txt"
     assert cfg.trainer_config.max_steps is None
     assert cfg.trainer_config.mixed_precision == "auto"
@@ -28,7 +29,7 @@ def test_defaults_compose_to_valid_dataclasses():
 
 @pytest.mark.parametrize(
     "yaml_name, schemas",
-    [("gpt2_train_cfg.yaml", config.section_schemas()), ("sample_cfg.yaml", {"": SampleConfig})],
+    [("gpt2_train_cfg.yaml", config.section_schemas(TrainConfig)), ("sample_cfg.yaml", {"": SampleConfig})],
 )
 def test_yaml_comments_are_the_dataclass_help(yaml_name, schemas):
     """One source: each field's help is the docstring under it; the YAML's comment for the key must say the same."""
@@ -45,8 +46,8 @@ def test_yaml_comments_are_the_dataclass_help(yaml_name, schemas):
 
 
 def test_help_lists_every_field_with_its_help():
-    text = config.help_text()
-    for section, schema in config.section_schemas().items():
+    text = config.help_text(TrainConfig)
+    for section, schema in config.section_schemas(TrainConfig).items():
         for key, help in config.field_help(schema).items():
             assert any(line.split()[0] == key and line.endswith(help) for line in text.splitlines() if line.strip())
 
@@ -60,7 +61,7 @@ def test_required_keys_exist():
         "optimizer_config.decay_steps", "optimizer_config.min_lr",
         "trainer_config.max_epochs", "trainer_config.max_steps", "trainer_config.batch_size",
         "trainer_config.grad_accum_steps", "trainer_config.grad_norm_clip", "trainer_config.mixed_precision",
-        "trainer_config.compile", "trainer_config.seed", "trainer_config.eval_every_steps",
+        "parallel_config.compile", "trainer_config.seed", "trainer_config.eval_every_steps",
         "trainer_config.log_every_steps", "trainer_config.data_loader_workers", "trainer_config.snapshot_path",
         "trainer_config.save_every",
     ]:
@@ -69,17 +70,18 @@ def test_required_keys_exist():
 
 
 def test_overrides_apply_with_types():
-    cfg = config.to_dataclasses(compose_cfg(["trainer_config.max_epochs=20", "gpt_config.n_layer=4",
-                                           "trainer_config.max_steps=100", "optimizer_config.learning_rate=5e-4"]))
+    overrides = ["trainer_config.max_epochs=20", "gpt_config.n_layer=4", "trainer_config.max_steps=100",
+                 "optimizer_config.learning_rate=5e-4"]
+    cfg = config.to_dataclasses(compose_cfg(overrides), TrainConfig)
     assert cfg.trainer_config.max_epochs == 20 and cfg.gpt_config.n_layer == 4
     assert cfg.trainer_config.max_steps == 100 and cfg.optimizer_config.learning_rate == 5e-4
 
 
 def test_cpu_preset():
-    cfg = config.to_dataclasses(compose_cfg(["preset=cpu"]))
+    cfg = config.to_dataclasses(compose_cfg(["preset=cpu"]), TrainConfig)
     assert cfg.gpt_config.n_embd == 128 and cfg.trainer_config.mixed_precision == "auto"
     # command-line overrides still win over the preset
-    cfg = config.to_dataclasses(compose_cfg(["preset=cpu", "trainer_config.max_steps=7"]))
+    cfg = config.to_dataclasses(compose_cfg(["preset=cpu", "trainer_config.max_steps=7"]), TrainConfig)
     assert cfg.trainer_config.max_steps == 7
 
 
@@ -109,25 +111,31 @@ def test_wrong_type_fails():
         (["trainer_config.mixed_precision=fp8"], "mixed_precision must be one of"),
         (["gpt_config.vocab_size=10"], "vocab_size is set from the data"),
         (["preset=nope"], "Could not find 'preset/nope'"),
+        (["trainer_config.strategy=fsdp"], "trainer_config.strategy is now parallel_config.strategy"),
+        (["+trainer_config.compile=true"], "trainer_config.compile is now parallel_config.compile"),
+        (["-m", "trainer_config.activation_checkpointing=blocks,none"],
+         "trainer_config.activation_checkpointing is now parallel_config.activation_checkpointing"),
     ],
 )
 def test_precheck_gives_one_line(overrides, message):
     with pytest.raises(UsageError) as info:
-        config.precheck_overrides(overrides)
+        config.precheck_overrides(TrainConfig, overrides)
     text = str(info.value)
     assert message in text
     assert "\n" not in text
 
 
 def test_precheck_checks_around_hydra_flags():
-    config.precheck_overrides(["--cfg", "job", "trainer_config.max_steps=3"])  # Hydra prints it; the config is fine
-    config.precheck_overrides(["--cfg=hydra", "trainer_config.max_steps=3"])
-    config.precheck_overrides(["-m", "trainer_config.max_steps=3,4"])
-    config.precheck_overrides(["--config-name", "other", "nonsense=1"])  # another config: Hydra's to check
+    # Hydra prints it; the config is fine
+    config.precheck_overrides(TrainConfig, ["--cfg", "job", "trainer_config.max_steps=3"])
+    config.precheck_overrides(TrainConfig, ["--cfg=hydra", "trainer_config.max_steps=3"])
+    config.precheck_overrides(TrainConfig, ["-m", "trainer_config.max_steps=3,4"])
+    config.precheck_overrides(TrainConfig, ["--config-name", "other", "nonsense=1"])  # another config: Hydra's to check
     with pytest.raises(UsageError, match="Key 'max_step' not in"):
-        config.precheck_overrides(["-m", "trainer_config.max_steps=1,2", "trainer_config.max_step=3"])
+        config.precheck_overrides(TrainConfig, ["-m", "trainer_config.max_steps=1,2", "trainer_config.max_step=3"])
     with pytest.raises(UsageError, match="learning_rate=x .*could not be converted to Float"):
-        config.precheck_overrides(["-m", "optimizer_config.learning_rate=1e-3,x", "trainer_config.max_steps=1,2"])
+        config.precheck_overrides(TrainConfig, ["-m", "optimizer_config.learning_rate=1e-3,x",
+                                                "trainer_config.max_steps=1,2"])
 
 
 def test_sweep_jobs_cover_every_value_without_the_whole_product():

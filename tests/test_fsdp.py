@@ -23,8 +23,9 @@ from mingpt.checkpoint import sharded
 from mingpt.checkpoint import store as snap
 from mingpt.errors import CorruptSnapshot, UsageError
 from mingpt.optim import OptimizerConfig, build_optimizer
-from mingpt.parallel.data_parallel import (
-    checkpoint_activations,
+from mingpt.parallel.layout import ParallelConfig
+from mingpt.parallel.parallelize import checkpoint_activations
+from mingpt.parallel.state import (
     named_optimizer_state,
     numbered_optimizer_state,
     parameter_names,
@@ -51,7 +52,7 @@ def no_group_left():
 
 def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-            for name, t in trainer.raw_model.state_dict().items()}
+            for name, t in trainer.parallel.modules[0].state_dict().items()}
 
 
 def assert_same_weights(a: dict, b: dict) -> None:
@@ -339,8 +340,8 @@ def test_checkpointed_blocks_keep_their_parameter_names():
 # ------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("field, value", [("strategy", "zero3"), ("activation_checkpointing", "all")])
 def test_unknown_strategy_or_checkpointing_is_one_line(field, value):
-    with pytest.raises(UsageError, match=f"trainer_config.{field} must be one of"):
-        TrainerConfig(**{field: value})
+    with pytest.raises(UsageError, match=f"parallel_config.{field} must be one of"):
+        ParallelConfig(**{field: value})
 
 
 def test_a_snapshot_of_another_shape_is_refused_in_one_line(tmp_path):
@@ -442,18 +443,16 @@ def test_fp16_under_fsdp_agrees_on_overflow_and_skips_the_step():
     trainer.fit()  # fused AdamW with the sharded scaler
     assert trainer.scaler.is_enabled() and trainer.last_val_loss < 10
     x, y = trainer.split(trainer.val_loader.dataset.dataset.windows(list(range(4))))
-    with trainer.autocast():
-        loss = trainer.model(x, y)[1]
-    trainer.scaler.scale(loss).backward()
-    param = next(trainer.raw_model.parameters())
+    trainer.parallel.forward_backward(x, y, trainer.scaler, micro_batches=1, last=True)
+    param = next(trainer.parallel.modules[0].parameters())
     param.grad.to_local()[0] = float("inf")
     before = full_weights(trainer)
-    steps = [state["step"].clone() for state in trainer.optimizer.state.values()]
-    trainer.optimizer.unscale(trainer.scaler)
-    trainer.optimizer.step(trainer.scaler)
+    steps = [state["step"].clone() for state in trainer.optimizers.state.values()]
+    trainer.optimizers.unscale(trainer.scaler)
+    trainer.optimizers.step(trainer.scaler)
     trainer.scaler.update()
     assert_same_weights(full_weights(trainer), before)  # skipped
-    assert [state["step"] for state in trainer.optimizer.state.values()] == steps
+    assert [state["step"] for state in trainer.optimizers.state.values()] == steps
 
 
 def test_sigterm_under_fsdp_stops_after_the_next_step_with_a_sharded_snapshot(tmp_path):
@@ -482,7 +481,7 @@ def test_bf16_under_fsdp_on_a_cpu_keeps_fp32_state_and_resumes_bit_for_bit(tmp_p
                             dropout=0.0)
     straight.fit()
     assert not straight.scaler.is_enabled() and straight.last_val_loss < 10
-    assert all(p.dtype == torch.float32 for p in straight.raw_model.parameters())
+    assert all(p.dtype == torch.float32 for p in straight.parallel.modules[0].parameters())
     (tmp_path / "b").mkdir()
     os.rename(tmp_path / "a" / "snapshot-000000003.dcp", tmp_path / "b" / "snapshot-000000003.dcp")
     resumed = reopen(lambda: fsdp_trainer(snapshots=tmp_path / "b", mixed_precision="bf16", max_steps=6,

@@ -18,7 +18,7 @@ from mingpt.checkpoint import store as snap
 
 def fsdp_args(snaps, run_dir, strategy: str = "fsdp", max_steps: int = 40) -> list[str]:
     """Muon's matrices gathered whole from their shards, beside AdamW, where torch has Muon."""
-    return [*TINY, *muon_where_available(), f"trainer_config.strategy={strategy}",
+    return [*TINY, *muon_where_available(), f"parallel_config.strategy={strategy}",
             f"trainer_config.max_steps={max_steps}", "trainer_config.save_every_steps=10", "trainer_config.keep_last=5",
             f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}"]
 
@@ -30,7 +30,7 @@ def test_fsdp_on_a_cpu_is_refused_in_one_line_by_a_torch_too_old_for_it(tmp_path
     assert result.returncode != 0
     errors = [re.sub(r"^\[rank \d+\] ", "", line) for line in result.stderr.splitlines()
               if re.match(r"(\[rank \d+\] )?error: ", line)]  # once for the job, from whichever rank failed first
-    assert errors == ["error: trainer_config.strategy=fsdp on a CPU needs torch 2.7 or newer; this is torch "
+    assert errors == ["error: parallel_config.strategy=fsdp on a CPU needs torch 2.7 or newer; this is torch "
                       f"{torch.__version__}"], result.stderr[-3000:]
     assert not (tmp_path / "snaps").exists() or not list((tmp_path / "snaps").iterdir())
 

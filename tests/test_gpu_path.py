@@ -12,7 +12,7 @@ from support import TINY, assert_ok, make_trainer, run_cli
 from benchmarks import bench
 from mingpt.errors import UsageError
 from mingpt.reporting.logs import read_metrics
-from trainer import resolve_precision, validation_loss
+from trainer import resolve_precision
 
 CUDA = torch.device("cuda", 0)
 
@@ -71,10 +71,9 @@ def test_data_loader_workers_train_the_same_weights():
     for trainer in (in_process, loader):
         for _ in range(3):
             trainer.train_step()
-    for a, b in zip(in_process.raw_model.parameters(), loader.raw_model.parameters()):
+    for a, b in zip(in_process.parallel.modules[0].parameters(), loader.parallel.modules[0].parameters()):
         assert torch.equal(a, b)
-    evaluate = lambda t: validation_loss(t.eval_model, t.val_loader, None, t.ctx, t.split, t.autocast)  # noqa: E731
-    assert evaluate(in_process) == evaluate(loader)
+    assert in_process.validation_loss() == loader.validation_loss()
 
 
 def precision_run(tmp_path, precision: str, max_steps: int, run: str):

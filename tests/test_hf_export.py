@@ -28,7 +28,7 @@ from mingpt.checkpoint.hf_export import export_hf
 from mingpt.errors import UsageError
 from model import GPT, GPTConfig
 
-transformers = pytest.importorskip("transformers")  # requirements-interop.txt; CI's oldest-torch leg has none
+transformers = pytest.importorskip("transformers")  # requirements-hf.txt; CI's oldest-torch leg has none
 
 TOLERANCE = 1e-5  # fp32: the same function, computed by other kernels
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
@@ -88,7 +88,7 @@ ARCHITECTURES = {
 @pytest.mark.parametrize("options, class_name", ARCHITECTURES.values(), ids=ARCHITECTURES.keys())
 def test_each_architecture_gives_our_logits(tmp_path, options, class_name):
     ours, path = snapshot_file(tmp_path / "snaps", **options)
-    assert export_hf(str(path), str(tmp_path / "hf")) == str(tmp_path / "hf")
+    assert export_hf(str(path), str(tmp_path / "hf"), GPTConfig) == str(tmp_path / "hf")
     assert {p.name for p in (tmp_path / "hf").iterdir()} == HF_FILES  # no temporary file left
     theirs = load_hf(tmp_path / "hf")
     assert type(theirs).__name__ == class_name and theirs.dtype == torch.float32
@@ -100,7 +100,7 @@ def test_each_architecture_gives_our_logits(tmp_path, options, class_name):
 
 def test_the_tokenizer_is_our_vocabulary_character_by_character_and_refuses_unknown_characters(tmp_path):
     ours, path = snapshot_file(tmp_path / "snaps")
-    export_hf(str(path), str(tmp_path / "hf"))
+    export_hf(str(path), str(tmp_path / "hf"), GPTConfig)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     text = "Before  we é😀\n\nproceed, speak.\n"
     ids = tokenizer(text).input_ids
@@ -118,8 +118,8 @@ def test_an_fsspec_target_gets_the_same_files(tmp_path):
     from safetensors.torch import load
 
     _, path = snapshot_file(tmp_path / "snaps", positions="rotary")
-    export_hf(str(path), str(tmp_path / "hf"))
-    assert export_hf(str(path), "memory://hf-export/run") == "memory://hf-export/run"
+    export_hf(str(path), str(tmp_path / "hf"), GPTConfig)
+    assert export_hf(str(path), "memory://hf-export/run", GPTConfig) == "memory://hf-export/run"
     fs = fsspec.filesystem("memory")
     written = {name: fs.cat_file(f"/hf-export/run/{name}") for name in HF_FILES}
     for name in HF_FILES - {"model.safetensors"}:  # its header's order varies from one write to the next
@@ -185,7 +185,7 @@ TRAINED = {
     "ddp": (150, [], "GPT2LMHeadModel", True),
     # every option that has an equivalent (Apertus; it learns faster, and a step of FSDP costs more), shards written
     # by two FSDP processes
-    "fsdp": (80, ["trainer_config.strategy=fsdp", "gpt_config.positions=rotary", "gpt_config.norm=rmsnorm",
+    "fsdp": (80, ["parallel_config.strategy=fsdp", "gpt_config.positions=rotary", "gpt_config.norm=rmsnorm",
                   "gpt_config.qk_norm=true", "gpt_config.activation=relu2", "gpt_config.tie_embeddings=false"],
              "ApertusForCausalLM", False),
 }

@@ -118,7 +118,7 @@ def test_the_surveys_hybrid_example_survives_a_kill_and_resumes_on_other_layouts
 
     # Its step-12 snapshot resumed by one process and by FSDP on two, at the same global sample.
     folder = tmp_path / "snaps_a" / "snapshot-000000012.dcp"
-    for nproc, more in ((None, ("parallel_config.pp=1",)), (2, ("trainer_config.strategy=fsdp",))):
+    for nproc, more in ((None, ("parallel_config.pp=1",)), (2, ("parallel_config.strategy=fsdp",))):
         snaps = tmp_path / f"snaps_{nproc or 1}"
         snaps.mkdir()
         shutil.copytree(folder, snaps / folder.name)
@@ -157,13 +157,17 @@ def test_refused_layouts_say_so_in_one_line(case, tmp_path):
 
 
 def test_the_degrees_take_the_rest_and_untested_products_are_refused():
-    assert resolve_layout(ParallelConfig(pp=2), "ddp", 4) == Layout(pp=2, dp_replicate=2)
-    assert resolve_layout(ParallelConfig(tp=2), "fsdp", 8) == Layout(dp_shard=4, tp=2)
-    assert resolve_layout(ParallelConfig(dp_replicate=2), "fsdp", 8) == Layout(dp_replicate=2, dp_shard=4)
-    assert resolve_layout(ParallelConfig(dp_shard=2), "ddp", 8) == Layout(dp_replicate=4, dp_shard=2)
-    assert resolve_layout(ParallelConfig(), "ddp", 4).needs_mesh is False
+    # on a mesh, FSDP2 makes the replicas too: its strategy is fsdp whatever parallel_config.strategy says
+    assert resolve_layout(ParallelConfig(pp=2), 4) == Layout(pp=2, dp_replicate=2, strategy="fsdp")
+    assert resolve_layout(ParallelConfig(strategy="fsdp", tp=2), 8) == Layout(dp_shard=4, tp=2, strategy="fsdp")
+    assert resolve_layout(ParallelConfig(strategy="fsdp", dp_replicate=2), 8) == Layout(dp_replicate=2, dp_shard=4,
+                                                                                     strategy="fsdp")
+    assert resolve_layout(ParallelConfig(dp_shard=2), 8) == Layout(dp_replicate=4, dp_shard=2, strategy="fsdp")
+    plain = resolve_layout(ParallelConfig(), 4)
+    assert plain == Layout(dp_replicate=4) and not plain.needs_mesh and plain.name == "ddp"
+    assert resolve_layout(ParallelConfig(strategy="fsdp"), 1).name == "fsdp"  # one process, one shard
     for cfg, world in ((ParallelConfig(tp=3), 4), (ParallelConfig(pp=2, tp=2), 8),
                        (ParallelConfig(dp_replicate=2, dp_shard=2), 8)):
         with pytest.raises(UsageError) as error:
-            resolve_layout(cfg, "ddp", world)
+            resolve_layout(cfg, world)
         assert "\n" not in str(error.value)

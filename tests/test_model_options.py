@@ -282,6 +282,13 @@ def with_config(snapshot_config: dict) -> dict:
     return {"model_config": snapshot_config, "vocab": "abc"}
 
 
+def test_what_an_old_snapshot_means_is_gpt2_and_todays_defaults():
+    """The store's fixed table of what a snapshot without an option was trained with is GPT-2's choice, which the
+    model's defaults still are (if a default ever changes, the table must not follow it)."""
+    defaults = {field.name: field.default for field in dataclasses.fields(GPTConfig)}
+    assert snap.OPTION_DEFAULTS == {name: defaults[name] for name in snap.OPTION_FIELDS}
+
+
 def test_a_snapshot_from_before_the_options_matches_the_default_only():
     old = with_config(as_before_the_options(model_config()))
     snap.check_compatible(old, model_config(), "abc", "old")
@@ -307,16 +314,17 @@ def train_tiny(folder: Path, steps: int, strategy: str = "ddp", **options):
     snapshot in `folder` when fit, and saves its last step there (a folder of shards under FSDP)."""
     import main
     from char_dataset import CharCorpus, DataConfig
-    from mingpt.config import TrainConfig
     from mingpt.distributed.process_group import DistContext
     from mingpt.optim import OptimizerConfig
+    from mingpt.parallel.layout import ParallelConfig
     from trainer import TrainerConfig
 
     data = DataConfig(block_size=16)
-    trainer = TrainerConfig(max_steps=steps, batch_size=4, mixed_precision="fp32", progress="off", strategy=strategy,
+    trainer = TrainerConfig(max_steps=steps, batch_size=4, mixed_precision="fp32", progress="off",
                             eval_every_steps=0, log_every_steps=100, snapshot_path=str(folder))
-    cfg = TrainConfig(data, GPTConfig(n_layer=1, n_head=2, n_embd=16, dropout=0.0, **options),
-                      OptimizerConfig(learning_rate=1e-2, warmup_steps=0), trainer)
+    cfg = main.TrainConfig(data, GPTConfig(n_layer=1, n_head=2, n_embd=16, dropout=0.0, **options),
+                           OptimizerConfig(learning_rate=1e-2, warmup_steps=0), trainer,
+                           ParallelConfig(strategy=strategy))
     text = "".join(f"line {i}: the quick brown fox.\n" for i in range(60))
     return main.build_trainer(cfg, CharCorpus.from_text(text, data), DistContext(), None,
                               store=snap.SnapshotStore(str(folder)))

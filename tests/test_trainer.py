@@ -7,7 +7,6 @@ from support import corpus_text, make_trainer, read_summary
 
 import main
 from char_dataset import CharCorpus, DataConfig
-from mingpt import config
 from mingpt.distributed.process_group import setup_distributed
 from mingpt.errors import UsageError
 from mingpt.reporting.logs import read_metrics
@@ -16,7 +15,6 @@ from trainer import (
     resolve_attention,
     resolve_precision,
     seed_dropout,
-    validation_loss,
 )
 
 
@@ -40,7 +38,7 @@ def test_gradient_accumulation_matches_one_big_batch():
     small = make_trainer(max_steps=1, batch_size=4, grad_accum_steps=2)
     big.fit()
     small.fit()
-    for (name, a), b in zip(big.raw_model.named_parameters(), small.raw_model.parameters()):
+    for (name, a), b in zip(big.parallel.modules[0].named_parameters(), small.parallel.modules[0].parameters()):
         assert torch.allclose(a, b, atol=1e-6), name
 
 
@@ -53,11 +51,9 @@ def test_epoch_boundaries_and_max_epochs():
 
 def test_evaluation_is_deterministic_and_in_eval_mode():
     trainer = make_trainer(max_steps=1, batch_size=8, dropout=0.3)
-    evaluate = lambda: validation_loss(trainer.eval_model, trainer.val_loader, None, trainer.ctx, trainer.split,  # noqa: E731
-                                       trainer.autocast)
-    first, second = evaluate(), evaluate()
+    first, second = trainer.validation_loss(), trainer.validation_loss()
     assert first == second  # dropout off during evaluation
-    assert trainer.eval_model.training  # and back in training mode afterwards
+    assert trainer.parallel.modules[0].training  # and back in training mode afterwards
 
 
 def test_dropout_masks_depend_on_step_and_rank():
@@ -139,7 +135,7 @@ def test_a_snapshot_older_than_the_epoch_order_finishes_its_epoch_in_its_own_ord
     resumed = make_trainer(snapshots=tmp_path / "old", **common)
     resumed.fit()
     assert resumed.epoch_order == EPOCH_ORDER and resumed.step == whole.step
-    for a, b in zip(whole.raw_model.parameters(), resumed.raw_model.parameters()):
+    for a, b in zip(whole.parallel.modules[0].parameters(), resumed.parallel.modules[0].parameters()):
         assert torch.equal(a, b)
 
     old["progress"]["epoch_order"] = "feistel-9"
@@ -155,7 +151,7 @@ def test_a_snapshot_older_than_the_epoch_order_finishes_its_epoch_in_its_own_ord
 @pytest.mark.parametrize("max_norm", [1e9, 0.05])  # nothing clipped; everything clipped
 def test_clipping_gives_torchs_bits(max_norm):
     """parallel.clip_grad_norm (the norm returned as a plain tensor, also under FSDP) against torch.nn.utils."""
-    from mingpt.parallel.data_parallel import clip_grad_norm
+    from mingpt.parallel.parallelize import clip_grad_norm
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=11, block_size=8))
@@ -190,10 +186,10 @@ def test_a_default_run_on_a_bf16_cpu_records_what_ran(monkeypatch):
     """mixed_precision=auto and attention=auto on a CPU with bf16 instructions: bf16 with matmul attention, and the
     snapshot's model_config says matmul (sample.py rebuilds the model from it), not auto."""
     monkeypatch.setattr("trainer.cpu_has_native_bf16", lambda: True)
-    cfg = config.compose_config(["preset=nanogpt_cpu", "gpt_config.n_layer=1", "trainer_config.max_steps=2"])
+    cfg = main.load_config(["preset=nanogpt_cpu", "gpt_config.n_layer=1", "trainer_config.max_steps=2"])
     corpus = CharCorpus.from_text(corpus_text(400), DataConfig(block_size=cfg.data_config.block_size))
     trainer = main.build_trainer(cfg, corpus, setup_distributed(), run_dir=None, with_snapshots=False)
     assert trainer.amp_dtype == torch.bfloat16
     assert trainer.checkpoints.metadata["model_config"]["attention"] == "matmul"
-    assert trainer.raw_model.transformer.h[0].attn.attention == "matmul"
+    assert trainer.parallel.modules[0].transformer.h[0].attn.attention == "matmul"
     trainer.train_step()

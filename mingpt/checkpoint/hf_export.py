@@ -28,13 +28,14 @@ from typing import Any, Callable
 
 import torch
 
-from char_dataset import CharVocab
 from mingpt.checkpoint import store
 from mingpt.errors import UsageError
 from mingpt.storage.locations import resolve_path
-from model import GPTConfig, make_norm
 
 Tensors = dict[str, torch.Tensor]
+# model.py's ModelConfig, or anything with its fields: handed down by the command (snapshot.py), as this package never
+# imports the project's root
+ModelConfig = Any
 # Our activations under their names in transformers' ACT2FN: "gelu" is torch's exact (erf) GELU, which nn.GELU()
 # computes by default ("gelu_new" and "gelu_pytorch_tanh" are the tanh approximation); "relu2" is relu(x)^2.
 ACTIVATIONS = {"gelu": "gelu", "relu2": "relu2"}
@@ -50,12 +51,12 @@ class Architecture:
 
     model_type: str
     class_name: str
-    weights: Callable[[Tensors, GPTConfig], Tensors]
-    settings: Callable[[GPTConfig], dict]
+    weights: Callable[[Tensors, ModelConfig], Tensors]
+    settings: Callable[[ModelConfig], dict]
 
 
 # --------------------------------------------------------------------------------------------- which architecture
-def architecture(cfg: GPTConfig) -> Architecture:
+def architecture(cfg: ModelConfig) -> Architecture:
     """The architecture for a model config; one with no exact equivalent is a UsageError naming the option."""
     why = refusal(cfg)
     if why is not None:
@@ -70,7 +71,7 @@ def architecture(cfg: GPTConfig) -> Architecture:
     return Architecture("arcee", "ArceeForCausalLM", arcee_weights, arcee_settings)
 
 
-def refusal(cfg: GPTConfig) -> str | None:
+def refusal(cfg: ModelConfig) -> str | None:
     """Why no transformers architecture computes this model's function (None: one does). zero_init_proj (only how
     training starts) and attention (the same function either way) do not matter."""
     if cfg.bigram_embedding:
@@ -88,21 +89,21 @@ def refusal(cfg: GPTConfig) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------- shared pieces
-def norm_eps(cfg: GPTConfig) -> float:
-    """The epsilon of our norms, read off the module model.py builds: nn.LayerNorm's 1e-5; nn.RMSNorm's None,
+def norm_eps(cfg: ModelConfig) -> float:
+    """The epsilon of our norms, as the model config gives it to them: nn.LayerNorm's 1e-5; nn.RMSNorm's None,
     which torch takes as the input dtype's machine epsilon (fp32's here: the export is fp32)."""
-    eps = make_norm(cfg).eps
+    eps = cfg.norm_eps
     return float(torch.finfo(torch.float32).eps if eps is None else eps)
 
 
-def common_settings(cfg: GPTConfig) -> dict:
+def common_settings(cfg: ModelConfig) -> dict:
     """What every architecture's config gets: the shape, and no special tokens (a character vocabulary has none;
     the architectures' defaults name ids of their own vocabularies)."""
     return {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": None,
             "eos_token_id": None, "pad_token_id": None}
 
 
-def rope(cfg: GPTConfig, **more: Any) -> dict:
+def rope(cfg: ModelConfig, **more: Any) -> dict:
     """Plain RoPE over the whole head at our base (transformers 5's rope_parameters)."""
     return {"rope_type": "default", "rope_theta": float(cfg.rope_base), **more}
 
@@ -120,7 +121,7 @@ def layer_norm(ours: Tensors, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return weight, ours.get(f"{name}.bias", torch.zeros_like(weight))
 
 
-def embeddings(ours: Tensors, cfg: GPTConfig, embedding: str, head: str) -> Tensors:
+def embeddings(ours: Tensors, cfg: ModelConfig, embedding: str, head: str) -> Tensors:
     """The token embedding under `embedding`, and an untied output head under `head` (a tied one is the embedding:
     stored once, as transformers saves it; the config's tie_word_embeddings ties it again on loading)."""
     out = {embedding: ours["transformer.wte.weight"]}
@@ -130,7 +131,7 @@ def embeddings(ours: Tensors, cfg: GPTConfig, embedding: str, head: str) -> Tens
 
 
 # --------------------------------------------------------------------------------------------- GPT-2
-def gpt2_settings(cfg: GPTConfig) -> dict:
+def gpt2_settings(cfg: ModelConfig) -> dict:
     """GPT-2 as ours: exact GELU or relu2, our epsilon, 1/sqrt(head_dim) attention scaling alone, our dropout in the
     same three places (attention weights, residual branches, embeddings)."""
     return {"n_positions": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
@@ -140,7 +141,7 @@ def gpt2_settings(cfg: GPTConfig) -> dict:
             "reorder_and_upcast_attn": False, "add_cross_attention": False}
 
 
-def gpt2_weights(ours: Tensors, cfg: GPTConfig) -> Tensors:
+def gpt2_weights(ours: Tensors, cfg: ModelConfig) -> Tensors:
     """Our names are GPT-2's; its Conv1D layers store weights as [in, out], so our Linear weights are transposed,
     and it always has biases (zeros where we have none). c_attn's q, k, v order and head layout are ours."""
     out = {"transformer.wpe.weight": ours["transformer.wpe.weight"],
@@ -158,7 +159,7 @@ def gpt2_weights(ours: Tensors, cfg: GPTConfig) -> Tensors:
 
 
 # --------------------------------------------------------------------------------------------- GPT-NeoX
-def neox_settings(cfg: GPTConfig) -> dict:
+def neox_settings(cfg: ModelConfig) -> dict:
     """GPT-NeoX as ours: a sequential residual (x + attn, then + mlp: use_parallel_residual false), RoPE over the
     whole head at our base, our activation and epsilon, our dropout on attention weights, residual branches and
     embeddings (hidden_dropout)."""
@@ -176,7 +177,7 @@ def neox_qkv(fused: torch.Tensor, n_head: int) -> torch.Tensor:
     return torch.cat((q, k, v), dim=1).reshape(fused.shape)
 
 
-def neox_weights(ours: Tensors, cfg: GPTConfig) -> Tensors:
+def neox_weights(ours: Tensors, cfg: ModelConfig) -> Tensors:
     """Renamed; c_attn reordered head by head (`neox_qkv`). Both rotate q and k the same way: pair (i, i + d/2)
     turns by position * base^(-2i/d) (our `rotate`, its rotate_half), so no rows need permuting. The MLP and the
     norms always have biases (zeros where we have none); the attention's follow attention_bias."""
@@ -200,19 +201,19 @@ def neox_weights(ours: Tensors, cfg: GPTConfig) -> Tensors:
 
 
 # --------------------------------------------------------------------------------------------- Arcee and Apertus
-def arcee_settings(cfg: GPTConfig) -> dict:
+def arcee_settings(cfg: ModelConfig) -> dict:
     """Arcee as ours: RMSNorm at our epsilon, plain RoPE, an ungated MLP (up -> activation -> down), our biases;
     its only dropout is on attention weights (it has none on residual branches or embeddings)."""
     return {**llama_like_settings(cfg), "attention_bias": cfg.bias, "mlp_bias": cfg.bias}
 
 
-def apertus_settings(cfg: GPTConfig) -> dict:
+def apertus_settings(cfg: ModelConfig) -> dict:
     """Apertus as Arcee, plus per-head q and k RMSNorm before RoPE (as ours), at the same epsilon (ours is the
     same function, F.rms_norm without eps); its MLP has no biases (refused with bias=true)."""
     return {**llama_like_settings(cfg), "attention_bias": False}
 
 
-def llama_like_settings(cfg: GPTConfig) -> dict:
+def llama_like_settings(cfg: ModelConfig) -> dict:
     """What Arcee and Apertus share: Llama's config with as many key/value heads as heads (no grouped queries)."""
     return {"hidden_size": cfg.n_embd, "intermediate_size": 4 * cfg.n_embd, "num_hidden_layers": cfg.n_layer,
             "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_head,
@@ -221,12 +222,12 @@ def llama_like_settings(cfg: GPTConfig) -> dict:
             "attention_dropout": cfg.dropout}
 
 
-def arcee_weights(ours: Tensors, cfg: GPTConfig) -> Tensors:
+def arcee_weights(ours: Tensors, cfg: ModelConfig) -> Tensors:
     """Llama's names, the ungated MLP's up_proj and down_proj (`llama_like_weights`)."""
     return llama_like_weights(ours, cfg, ("input_layernorm", "post_attention_layernorm"))
 
 
-def apertus_weights(ours: Tensors, cfg: GPTConfig) -> Tensors:
+def apertus_weights(ours: Tensors, cfg: ModelConfig) -> Tensors:
     """Arcee's layout under Apertus' norm names, and gains of ones for the q/k norms (ours have no parameters)."""
     out = llama_like_weights(ours, cfg, ("attention_layernorm", "feedforward_layernorm"))
     ones = torch.ones(cfg.n_embd // cfg.n_head, dtype=out["model.norm.weight"].dtype)
@@ -236,7 +237,7 @@ def apertus_weights(ours: Tensors, cfg: GPTConfig) -> Tensors:
     return out
 
 
-def llama_like_weights(ours: Tensors, cfg: GPTConfig, norm_names: tuple[str, str]) -> Tensors:
+def llama_like_weights(ours: Tensors, cfg: ModelConfig, norm_names: tuple[str, str]) -> Tensors:
     """Llama's names with an ungated MLP: c_attn split into q_proj, k_proj, v_proj (same head layout), c_proj as
     o_proj, c_fc as up_proj, the MLP's c_proj as down_proj; biases only where we have them."""
     out = {**embeddings(ours, cfg, "model.embed_tokens.weight", "lm_head.weight"),
@@ -259,7 +260,7 @@ def llama_like_weights(ours: Tensors, cfg: GPTConfig, norm_names: tuple[str, str
 
 
 # --------------------------------------------------------------------------------------------- the files
-def config_json(arch: Architecture, cfg: GPTConfig, dtype: torch.dtype) -> bytes:
+def config_json(arch: Architecture, cfg: ModelConfig, dtype: torch.dtype) -> bytes:
     """config.json, built by transformers' own config class (so it checks the settings and names the version); every
     value written, not only those that differ from this release's defaults, which another release may change."""
     from transformers import AutoConfig
@@ -282,13 +283,13 @@ def generation_config_json() -> bytes:
 
 
 def tokenizer_files(vocab: str, block_size: int) -> dict[str, bytes]:
-    """The character tokenizer's files (tokenizer.json, tokenizer_config.json): ids in CharVocab's order (sample.py's),
+    """The character tokenizer's files (tokenizer.json, tokenizer_config.json): ids in the order of the snapshot's
+    vocabulary string (sample.py's),
     every character its own token (newlines and spaces included, nothing normalised), decoded by joining."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = CharVocab(vocab).chars
-    tokenizer = Tokenizer(models.WordLevel({char: i for i, char in enumerate(chars)}, unk_token=UNKNOWN))
+    tokenizer = Tokenizer(models.WordLevel({char: i for i, char in enumerate(vocab)}, unk_token=UNKNOWN))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one per character
     tokenizer.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False,
@@ -302,11 +303,11 @@ def tokenizer_files(vocab: str, block_size: int) -> dict[str, bytes]:
     return files
 
 
-def hf_files(snapshot: dict) -> dict[str, bytes]:
-    """Every file of the export of a verified snapshot, by name."""
+def hf_files(snapshot: dict, config_type: Callable[..., ModelConfig]) -> dict[str, bytes]:
+    """Every file of the export of a verified snapshot, by name; `config_type` builds a model config (GPTConfig)."""
     from safetensors.torch import save as safetensors_bytes
 
-    cfg = model_config(snapshot)
+    cfg = model_config(snapshot, config_type)
     arch = architecture(cfg)  # before the tensors: a refused folder of shards is not read
     ours = store.model_tensors(snapshot)
     # Copies: safetensors refuses tensors that share memory, as q_proj, k_proj and v_proj (views of c_attn) do
@@ -319,19 +320,36 @@ def hf_files(snapshot: dict) -> dict[str, bytes]:
             **tokenizer_files(snapshot["vocab"], cfg.block_size)}
 
 
-def model_config(snapshot: dict) -> GPTConfig:
-    """The snapshot's model config (options it predates at their defaults), as sample.py builds its model from."""
+def model_config(snapshot: dict, config_type: Callable[..., ModelConfig]) -> ModelConfig:
+    """The snapshot's model config (options it predates at GPT-2's choice), as sample.py builds its model from."""
     try:
-        return GPTConfig(**store.with_option_defaults(snapshot["model_config"]))
+        return config_type(**store.with_option_defaults(snapshot["model_config"]))
     except TypeError as e:  # a field this code does not know: a snapshot of a newer mingpt-ddp
         raise UsageError(f"the snapshot's model config does not fit this code: {e}") from None
 
 
-def export_hf(source: str, target: str) -> str:
+# The optional packages the export imports (on first use), and the project's file that installs them (README)
+PACKAGES = ("transformers", "tokenizers")
+REQUIREMENTS = "requirements-hf.txt"
+
+
+def require_packages() -> None:
+    """transformers and tokenizers, found (not imported): a missing one is a UsageError naming the install command,
+    before the snapshot is read."""
+    import importlib.util
+
+    missing = next((name for name in PACKAGES if importlib.util.find_spec(name) is None), None)
+    if missing is not None:
+        raise UsageError(f"snapshot.py export --format hf needs the {missing} package: pip install -r {REQUIREMENTS}")
+
+
+def export_hf(source: str, target: str, config_type: Callable[..., ModelConfig]) -> str:
     """Snapshot `source` (a file or a folder of shards, a local path or fsspec URL) as a transformers folder
     `target`: model.safetensors, config.json, generation_config.json and the tokenizer. Each file is written as
-    store.export writes its own (atomically; any fsspec URL). Returns where it went."""
-    files = hf_files(store.read_snapshot(source))
+    store.export writes its own (atomically; any fsspec URL). `config_type` builds the model config from the
+    snapshot's (model.GPTConfig). Returns where it went."""
+    require_packages()
+    files = hf_files(store.read_snapshot(source), config_type)
     output = store.SnapshotStore(resolve_path(target))
     for name, data in files.items():
         store.write_output(output, name, data)

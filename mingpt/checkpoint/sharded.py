@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from mingpt.compat import dcp_alone
 from mingpt.errors import CorruptSnapshot, UsageError, describe, is_permanent
-from mingpt.parallel.data_parallel import numbered_optimizer_state
+from mingpt.parallel.state import numbered_optimizer_state
 from mingpt.storage.durable import fsync_folder
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,6 @@ loop.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import hashlib
 import io
@@ -43,7 +42,6 @@ from fsspec.implementations.local import LocalFileSystem
 from mingpt.errors import CorruptSnapshot, UsageError, describe, first_line, is_permanent  # noqa: F401 (re-exported)
 from mingpt.storage.durable import fsync_folder, temporary_name
 from mingpt.storage.locations import check_location, resolve_path
-from model import GPTConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,10 +53,12 @@ SHARDED_SUFFIX = ".dcp"
 SHARDED_PATTERN = re.compile(r"^snapshot-(\d{9})\.dcp$")  # a folder of shards (strategy=fsdp): sharded.py
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "bias", "vocab_size", "block_size")
 # The model options that change its function or parameters, added after the first snapshots were written: a snapshot
-# without one was made by the default (GPT-2's), which is what its absence means. zero_init_proj (only how training
+# without one was made by GPT-2's choice, which is what its absence means (fixed here: a later change of
+# gpt_config's defaults does not change what an old snapshot was trained with). zero_init_proj (only how training
 # starts) and attention (the same function either way) are not among them.
-OPTION_FIELDS = ("positions", "rope_base", "norm", "activation", "qk_norm", "tie_embeddings", "logit_softcap",
-                 "bigram_embedding")
+OPTION_DEFAULTS = {"positions": "learned", "rope_base": 10000.0, "norm": "layernorm", "activation": "gelu",
+                   "qk_norm": False, "tie_embeddings": True, "logit_softcap": None, "bigram_embedding": False}
+OPTION_FIELDS = tuple(OPTION_DEFAULTS)
 REQUIRED_KEYS = ("format_version", "model", "optimizer", "progress", "model_config", "vocab", "integrity_sha256")
 REQUIRED_TYPES = {"format_version": int, "model": dict, "optimizer": dict, "progress": dict, "model_config": dict,
                   "vocab": str, "integrity_sha256": str}
@@ -223,9 +223,8 @@ def check_compatible(snapshot: dict, model_config: dict, vocab: str, source: str
 
 
 def with_option_defaults(model_config: dict) -> dict:
-    """A model config with the options it does not name (one from before they existed) at their defaults."""
-    defaults = {field.name: field.default for field in dataclasses.fields(GPTConfig) if field.name in OPTION_FIELDS}
-    return {**defaults, **model_config}
+    """A model config with the options it does not name (one from before they existed) at GPT-2's choice."""
+    return {**OPTION_DEFAULTS, **model_config}
 
 
 # --------------------------------------------------------------------------------------------------- storage
@@ -261,6 +260,11 @@ class SnapshotStore:
 
     def _path(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
+
+    def size(self, entry: Entry) -> int:
+        """The bytes a snapshot takes: its file, or every file of its folder of shards."""
+        path = self._path(entry.name)
+        return self.fs.du(path, total=True) if entry.sharded else self.fs.size(path)
 
     def entries(self, missing_ok: bool = True) -> list[Entry]:
         """Snapshots present, newest (highest step) first. A location that does not exist holds none, or is a

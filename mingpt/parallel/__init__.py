@@ -1,3 +1,3 @@
-"""How the model is spread over the processes: the layout and its device mesh (layout), DDP and FSDP wrapping with
-each strategy's state (data_parallel), tensor parallelism (tensor_parallel), pipeline stages and schedules
-(pipeline), and the model on a mesh (hybrid)."""
+"""How the model is spread over the processes: the layout and its device mesh (layout), the one entry point and the
+object the training loop drives for every layout (parallelize), the model's and optimizer's state in each layout's
+snapshot form (state), tensor parallelism (tensor_parallel), and pipeline stages and schedules (pipeline)."""

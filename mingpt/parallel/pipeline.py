@@ -28,7 +28,7 @@ by hand: without it the reducer asserts, or with static_graph trains wrong), so 
 
 One optimizer per stage module: torch.distributed.checkpoint's `get_optimizer_state_dict(model, optimizer)` names
 an optimizer's parameters from one module, and fails on a parameter of another (Interleaved1F1B holds several stage
-modules per rank). The trainer's snapshots hold them as `OptimizerState` does for every layout (data_parallel.py):
+modules per rank). The trainer's snapshots hold them as `OptimizerState` does for every layout (state.py):
 each stage's optimizers by the whole GPT's parameter names, which load into any layout, one process included.
 
 Needs torch 2.7 (the schedules' `scale_grads`, FSDP2 on a CPU); on a CPU (gloo) 1F1B and Interleaved1F1B need 2.8:
@@ -49,8 +49,7 @@ import torch.nn.functional as F
 
 from mingpt.compat import TORCH, require_torch
 from mingpt.errors import UsageError
-from mingpt.parallel.data_parallel import is_dtensor, local_tensor
-from model import GPT
+from mingpt.parallel.state import is_dtensor, local_tensor
 
 PIPELINE_TORCH = (2, 7)  # scale_grads (mean over micro-batches) arrives in 2.7; FSDP2 on a CPU needs 2.7 too
 GLOO_1F1B_TORCH = (2, 8)  # 2.7's _batch_p2p waits on batch_isend_irecv(...).pop() only: gloo deadlocks
@@ -109,6 +108,7 @@ class GPTStage(nn.Module):
     def __init__(self, gpt: nn.Module, layers: range, first: bool, last: bool) -> None:
         super().__init__()
         self.config = gpt.config
+        self.whole_model_class = type(gpt)  # whose embed and unembed run over this stage's modules (the same names)
         self.is_first, self.is_last = first, last
         whole = gpt.transformer
         parts: dict[str, nn.Module] = {}  # in the GPT's order, so the tied weight's first name is the GPT's
@@ -125,15 +125,12 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:  # as GPT.forward
-            x = self.transformer.drop(self.embed(x))
+            x = self.transformer.drop(self.whole_model_class.embed(self, x))
         for block in self.transformer.h.values():
             x = block(x)
         if self.is_last:
-            x = self.unembed(x)
+            x = self.whole_model_class.unembed(self, x)
         return x
-
-    # The whole model's functions over this stage's modules (the same names): one definition of each
-    embed, unembed = GPT.embed, GPT.unembed
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
