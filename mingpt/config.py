@@ -2,7 +2,7 @@
 TrainConfig for training), composing gpt2_train_cfg.yaml with the command line into validated dataclasses with
 one-line errors, keys that moved named with their new place, sweep job names, the `--help` text and masking of
 storage options. Each field's help is the docstring under it in its dataclass: `--help` prints it, and
-gpt2_train_cfg.yaml carries it as the key's comment (tests/test_config.py fails if the two drift apart).
+gpt2_train_cfg.yaml carries it as the key's comment (tests/unit/test_config.py fails if the two drift apart).
 
     config.register(TrainConfig)                          # main.py, before Hydra composes anything
     cfg = config.compose_config(TrainConfig, overrides)   # tools other than training (bench.py, prepare.py)

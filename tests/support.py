@@ -23,7 +23,7 @@ from mingpt.reporting.logs import SUMMARY_FILE, read_metrics
 
 PYTHON = sys.executable
 # What may sit at the project's root besides dotfiles: the design card's files, the commands a user runs, their
-# configs, and the project's own files (tests/test_style.py keeps the root to this).
+# configs, and the project's own files (tests/unit/test_style.py keeps the root to this).
 ROOT_ENTRIES = frozenset({
     "main.py", "trainer.py", "model.py", "char_dataset.py", "gpt2_train_cfg.yaml", "data", "tests", "requirements.txt",
     "sample.py", "sample_cfg.yaml", "snapshot.py", "prepare.py", "plot.py", "gpu_check.sh", "preset", "slurm",
@@ -99,6 +99,94 @@ def make_trainer(run_dir: Path | None = None, *, snapshots: Path | str | None = 
                            parallel)
     corpus = CharCorpus.from_text(corpus_text(lines), data)
     return main.build_trainer(cfg, corpus, DistContext(), run_dir, with_snapshots=snapshots is not None)
+
+
+# The FSDP trainers of tests/*/test_fsdp.py: make_trainer under FSDP (strategy="ddp" for the other), two blocks,
+# dropout, batches of 8, 2 validation batches, over FSDP_LINES lines.
+FSDP_LINES = 300
+
+
+def fsdp_trainer(**settings):
+    return make_trainer(**{"strategy": "fsdp", "dropout": 0.1, "n_layer": 2, "lines": FSDP_LINES, "batch_size": 8,
+                           "eval_batches": 2, **settings})
+
+
+def gpu_path_trainer(**settings):
+    """The trainers of tests/*/test_gpu_path.py: make_trainer with dropout, over 200 lines, 4 steps of batches of 8."""
+    return make_trainer(**{"dropout": 0.1, "lines": 200, "batch_size": 8, "max_steps": 4, **settings})
+
+
+def reopen(trainer_factory):
+    """A trainer built afresh in this process, as a restarted job builds it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return trainer_factory()
+
+
+def text_files(folder: Path, texts: dict[str, str]) -> Path:
+    """`folder` holding each of `texts` (relative name -> text, sub-folders made as needed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text, encoding="utf-8")
+    return folder
+
+
+SNAPSHOT_VOCAB = "abcdefghij"
+
+
+def make_snapshot(step: int = 10, n_layer: int = 1, vocab: str = SNAPSHOT_VOCAB) -> dict:
+    """A snapshot as a 2-process run at `step` writes it: a GPT of `n_layer` blocks after one AdamW step."""
+    import dataclasses
+
+    import torch
+
+    from mingpt.checkpoint import store as snap
+    from model import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, vocab_size=len(vocab), block_size=8)
+    torch.manual_seed(step)
+    model = GPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
+    optimizer.step()
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": {},
+        "progress": {"step": step, "epoch": 0, "epoch_samples": 8 * step, "val_loss": 2.5, "last_eval_step": step},
+        "loss_window": {"sums": [0.0], "count": 0, "start_step": step},
+    }
+    metadata = {"model_config": dataclasses.asdict(cfg), "vocab": vocab, "train_config": {"trainer_config": {}}}
+    return snap.build(state, metadata, world_size=2)
+
+
+HF_TOLERANCE = 1e-5  # fp32: the same function as ours, computed by transformers' kernels
+
+
+def load_hf(folder: Path):  # noqa: ANN201 (a transformers model)
+    """The exported model, as any transformers user loads it; no weight missing, left over or of another shape."""
+    import transformers
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(folder), output_loading_info=True)
+    assert {key: value for key, value in info.items() if value} == {}
+    return model.eval()
+
+
+def max_logit_difference(ours, theirs, ids) -> float:  # noqa: ANN001 (our GPT, a transformers model, token ids)
+    import torch
+
+    with torch.no_grad():
+        return (ours(ids)[0] - theirs(input_ids=ids).logits).abs().max().item()
+
+
+def muon_required():
+    """A pytest mark: skipped where torch has no torch.optim.Muon (before 2.9)."""
+    import torch
+
+    return pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is torch 2.9+")
 
 
 def subprocess_env(tmp_path: Path) -> dict[str, str]:

@@ -21,7 +21,8 @@ What each layout (layout.py) applies, in torchtitan's order: tensor parallelism 
                  micro-batches by a schedule
 
 FSDP2 is applied in one place, `shard_data_parallel`. DDP is not used on a mesh: its reducer cannot take DTensor
-parameters, and inside a pipeline stage under GPipe or interleaved schedules it trains wrong (tests/test_pipeline.py).
+parameters, and inside a pipeline stage under GPipe or interleaved schedules it trains wrong
+(tests/e2e/test_pipeline.py).
 """
 
 from __future__ import annotations

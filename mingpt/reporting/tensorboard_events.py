@@ -8,7 +8,7 @@ boto3 where s3fs brought it) costs about 0.3 s of every run's start; these are t
     Summary  = 1: value (Value, repeated);  Value = 1: tag (string) | 2: simple_value (float)
 
 as TensorBoard's own readers (tensorboard/compat/proto/event.proto, summary.proto; the record format of
-tensorboard/summary/writer/record_writer.py) define them; tests/test_ux.py reads the file with TensorBoard's
+tensorboard/summary/writer/record_writer.py) define them; tests/e2e/test_ux.py reads the file with TensorBoard's
 EventAccumulator.
 """
 

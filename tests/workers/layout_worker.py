@@ -1,0 +1,147 @@
+"""One torchrun launch, several layouts (tests/e2e/test_layouts.py): for each, the real Trainer as main.build_trainer
+builds it, on one process group.
+
+    torchrun --standalone --nproc_per_node=4 tests/workers/layout_worker.py OUT_DIR LAYOUT [LAYOUT ...]
+
+For each LAYOUT (a name in LAYOUTS: its parallel_config and strategy):
+1. equivalence: 6 optimizer steps (fp32, dropout 0, clipping engaged) end with the weights of one process trained on
+   the same global batches (a trainer of its own in every process, no group); the largest difference is reported;
+2. exact resume: the step-6 snapshot deleted, a new trainer resumes from step 3 and must end with the same digest;
+3. across layouts: the step-6 snapshot loaded by a trainer of the NEXT layout in the list (of those with the same
+   optimizer: names ending in "muon" train with Muon and AdamW, the others with AdamW) must hold the same
+   weights (digest after restoring), and that trainer takes a step from it; read alone, as snapshot.py and sample.py
+   read it, it has the same digest too.
+Global rank 0 writes OUT_DIR/result.json after each layout.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project's root
+
+import json
+import shutil
+
+import torch
+import torch.distributed as dist
+
+import main
+from char_dataset import CharCorpus, DataConfig
+from mingpt.checkpoint.store import SnapshotStore, read_snapshot, summary
+from mingpt.distributed.process_group import DistContext, setup_distributed
+from mingpt.optim import OptimizerConfig
+from mingpt.parallel.layout import ParallelConfig
+from mingpt.parallel.state import weights_sha256_of
+from model import GPTConfig
+from trainer import Trainer, TrainerConfig
+
+BATCH = 4  # windows per data-parallel rank and micro-batch
+STEPS, SAVED = 6, 3
+TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(300))
+# name: (strategy, parallel_config fields)
+LAYOUTS = {
+    "ddp": ("ddp", {}),
+    "fsdp": ("fsdp", {}),
+    "tp": ("ddp", {"tp": 2}),
+    "pp": ("ddp", {"pp": 2}),
+    "pp_gpipe": ("ddp", {"pp": 2, "pp_schedule": "GPipe"}),
+    "pp_interleaved": ("ddp", {"pp": 2, "pp_schedule": "Interleaved1F1B"}),
+    "fsdp_tp": ("fsdp", {"tp": 2}),
+    "dp_tp": ("ddp", {"tp": 2}),
+    "pp_dp": ("ddp", {"pp": 2}),
+    "pp_fsdp": ("fsdp", {"pp": 2, "pp_schedule": "GPipe"}),
+    "pp_fsdp_interleaved": ("fsdp", {"pp": 2, "pp_schedule": "Interleaved1F1B"}),
+    "pp_tp": ("ddp", {"pp": 2, "tp": 2}),
+    "hsdp": ("fsdp", {"dp_replicate": 2}),
+    "pp4": ("ddp", {"pp": 4}),
+    "tp4": ("ddp", {"tp": 4}),
+    # Muon on the blocks' matrices (gathered whole where they are DTensors), AdamW on the rest
+    "ddp_muon": ("ddp", {}),
+    "fsdp_muon": ("fsdp", {}),
+    "tp_muon": ("ddp", {"tp": 2}),
+    "pp_muon": ("ddp", {"pp": 2}),
+}
+MUON = OptimizerConfig(name="muon", learning_rate=1e-2, warmup_steps=0, min_lr=1e-3, muon_learning_rate=0.05,
+                       muon_momentum_warmup_steps=4, muon_weight_decay=0.1)  # every Muon setting in play
+ADAMW = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3)
+
+
+def optimizer_of(name: str) -> OptimizerConfig:
+    return MUON if name.endswith("muon") else ADAMW
+
+
+def config(strategy: str, parallel: dict, batch_size: int, snapshots: Path,
+           optimizer: OptimizerConfig) -> main.TrainConfig:
+    trainer = TrainerConfig(max_steps=STEPS, batch_size=batch_size, mixed_precision="fp32", grad_norm_clip=0.3,
+                            eval_every_steps=0, save_every_steps=SAVED, keep_last=3, log_every_steps=100,
+                            progress="off", snapshot_path=str(snapshots))
+    return main.TrainConfig(DataConfig(block_size=16), GPTConfig(n_layer=4, n_head=4, n_embd=32, dropout=0.0),
+                            optimizer, trainer, ParallelConfig(strategy=strategy, **parallel))
+
+
+def build(name: str, ctx: DistContext, snapshots: Path, batch_size: int = BATCH, optimizer: str = "") -> Trainer:
+    strategy, parallel = LAYOUTS[name]
+    cfg = config(strategy, parallel, batch_size, snapshots, optimizer_of(optimizer or name))
+    corpus = CharCorpus.from_text(TEXT, cfg.data_config)
+    return main.build_trainer(cfg, corpus, ctx, None, store=SnapshotStore(str(snapshots)))
+
+
+def whole_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in trainer.parallel.whole_tensors()}
+
+
+def digest(trainer: Trainer) -> str:
+    return weights_sha256_of(trainer.parallel.whole_tensors())
+
+
+def reference(dp: int, folder: Path, optimizer: str) -> dict[str, torch.Tensor]:
+    """One process trained on the global batches of `dp` data-parallel ranks (no group: every rank repeats it)."""
+    trainer = build("ddp", DistContext.single_process(torch.device("cpu")), folder, batch_size=BATCH * dp,
+                    optimizer=optimizer)
+    trainer.fit()
+    return whole_weights(trainer)
+
+
+def check(name: str, following: str, ctx: DistContext, out: Path) -> dict:
+    folder = out / name
+    trained = build(name, ctx, folder / "snapshots")
+    trained.fit()
+    weights, end = whole_weights(trained), digest(trained)
+    expected = reference(trained.parallel.data_ranks, folder / f"reference-{ctx.rank}", name)
+    differences = {key: (weights[key] - expected[key]).abs().max().item() for key in expected}
+    dist.barrier()
+    if ctx.is_main:  # the run as if killed right after the step-3 snapshot
+        shutil.rmtree(folder / "snapshots" / f"snapshot-{STEPS:09d}.dcp", ignore_errors=True)
+        (folder / "snapshots" / f"snapshot-{STEPS:09d}.pt").unlink(missing_ok=True)
+        shutil.copytree(folder / "snapshots", folder / "for-next")
+    dist.barrier()
+    resumed = build(name, ctx, folder / "snapshots")
+    resumed.fit()
+    resume_exact = digest(resumed) == end
+    newest = sorted((folder / "snapshots").iterdir())[-1]  # what snapshot.py info and consolidate read, alone
+    tools_exact = summary(read_snapshot(str(newest)))["weights_sha256"] == end if ctx.is_main else True
+    loader = build(following, ctx, folder / "snapshots")  # its newest snapshot: the resumed run's step 6
+    restored = loader.checkpoints.restore()
+    cross_exact = restored is not None and loader.step == STEPS and digest(loader) == end
+    loader.train_step()
+    return {"max_difference": max(differences.values()), "worst": max(differences, key=differences.get),
+            "resume_exact": resume_exact, "next": following, "cross_exact": cross_exact, "tools_exact": tools_exact,
+            "layout": trained.parallel.name}
+
+
+def main_worker(out: Path, names: list[str]) -> None:
+    ctx = setup_distributed()
+    results = {}
+    for index, name in enumerate(names):
+        same_optimizer = [other for other in names if optimizer_of(other) is optimizer_of(name)]
+        results[name] = check(name, same_optimizer[(same_optimizer.index(name) + 1) % len(same_optimizer)], ctx, out)
+        if ctx.is_main:
+            (out / "result.json").write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main_worker(Path(sys.argv[1]), sys.argv[2:])
