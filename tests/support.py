@@ -12,18 +12,20 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
-from benchmarks.chaos import TINY_MODEL, children, wait_until
+from benchmarks.chaos import TINY_MODEL, children, rank_of, wait_until
 from mingpt import PROJECT_DIR
 from mingpt.reporting.logs import SUMMARY_FILE, read_metrics
 
 PYTHON = sys.executable
 # What may sit at the project's root besides dotfiles: the design card's files, the commands a user runs, their
-# configs, and the project's own files (tests/unit/test_style.py keeps the root to this).
+# configs, and the project's own files (tests/e2e/test_style.py keeps the root to this).
 ROOT_ENTRIES = frozenset({
     "main.py", "trainer.py", "model.py", "char_dataset.py", "gpt2_train_cfg.yaml", "data", "tests", "requirements.txt",
     "sample.py", "sample_cfg.yaml", "snapshot.py", "prepare.py", "plot.py", "gpu_check.sh", "preset", "slurm",
@@ -268,63 +270,215 @@ def kill_all(pids: list[int]) -> None:
             pass
 
 
-def kill_at_step(job: subprocess.Popen, run_dir: Path, at_step: int, victim: int | str = -1,
-                nproc: int = 2) -> list[int]:
-    """Once run_dir's metrics reach `at_step`, SIGKILL one process of a torchrun job (`nproc` workers) from outside,
-    as the OOM killer or a lost machine would: the `victim`-th worker by process id, or the agent (victim="agent").
-    Returns the workers as they were."""
-    wait_for(lambda: logged_step(run_dir) >= at_step, timeout=120, what=f"step {at_step}")
-    workers = children(job.pid)
-    assert len(workers) == nproc, workers
-    os.kill(job.pid if victim == "agent" else workers[victim], signal.SIGKILL)
-    return workers
+def job_args(snapshots: Path | str, run_dir: Path | str, *overrides: str, **trainer_config: object) -> list[str]:
+    """The end-to-end tests' one argument builder: TINY (the tiny model, a 40-step run), `trainer_config.KEY=VALUE`
+    for each keyword (max_steps=100, save_every_steps=10, ...), the snapshot location and the run directory, then
+    `overrides` (of any group: Hydra's last override of a key wins)."""
+    return [*TINY, *(f"trainer_config.{key}={value}" for key, value in trainer_config.items()),
+            f"trainer_config.snapshot_path={snapshots}", f"hydra.run.dir={run_dir}", *overrides]
 
 
-def kill_and_resume(args: list[str], tmp_path: Path, run_dir: Path, at_step: int, victim: int = -1,
-                    reference: Path | None = None, nproc: int = 2) -> str:
-    """`torchrun --standalone --nproc_per_node=NPROC --max-restarts=1 main.py ARGS` (its run directory `run_dir`)
-    with a worker SIGKILLed at `at_step` (kill_at_step): torchrun restarts them all, they resume from the newest
-    snapshot and finish, exit code 0; with the weights of the `reference` run (one that was not interrupted) if one
-    is given. Returns the job's output."""
-    job = start_cli(args, tmp_path, nproc=nproc, max_restarts=1)
+@dataclass(frozen=True)
+class Fault:
+    """What happens to a running torchrun job once its metrics reach `at_step`: `signal` sent to its `victim` (one
+    of VICTIMS); torchrun then restarts the workers up to `restarts` times, and with `rerun` the user runs the same
+    command again once the job has ended."""
+
+    at_step: int
+    signal: int = signal.SIGKILL
+    victim: str = "worker"
+    restarts: int = 1
+    rerun: bool = False
+
+
+# Who a Fault hits: the last worker by process id (as the OOM killer picks one), rank 0's worker (the one writing
+# the metrics and feeding the trackers), the torchrun agent (a lost agent: SIGKILL), or torchrun as a scheduler
+# signals it (SIGTERM to the launcher).
+VICTIMS = ("worker", "rank0", "agent", "launcher")
+
+
+@dataclass(frozen=True)
+class Case:
+    """An end-to-end case as a row of a table (after torchtitan's OverrideDefinitions), run by run_case. What runs:
+    `script` with `args` (`{d}` stands for the case's own folder, `{s}` for its snapshot folder, `{port}` for a
+    port nothing listens on) as one process (`nproc` None) or under `torchrun --standalone` with `nproc` workers,
+    after `files` (name, bytes) are written in `{d}` and `prepare(d, s)` has run, in the environment changed by
+    `env(d)` (a None value removes a variable); what happens to it (`fault`). What must come out: `exit_code`, the
+    texts its output contains (`expect`), the regex its one `error: ...` line matches (`error`: the line is all of
+    stderr, with no traceback; under torchrun, whose own report of a failed worker is a launcher traceback, none
+    from the project's code), no run directory where it ends before Hydra makes one (`no_run_dir`), the weights of
+    the same command run without the fault (`reference`)."""
+
+    id: str
+    args: tuple[str, ...]
+    nproc: int | None = None
+    script: str = "main.py"
+    files: tuple[tuple[str, bytes], ...] = ()
+    prepare: Callable[[Path, Path], object] | None = None
+    env: Callable[[Path], dict[str, str | None]] | None = None
+    fault: Fault | None = None
+    exit_code: int = 0
+    expect: tuple[str, ...] = ()
+    error: str = ""
+    no_run_dir: bool = False
+    reference: bool = False
+    marks: tuple = ()
+
+    def arguments(self, folder: Path, snapshots: Path) -> list[str]:
+        # str.replace, not str.format: an argument may hold braces of its own (a Hydra dict: {token:'...'})
+        return [arg.replace("{d}", str(folder)).replace("{s}", str(snapshots)).replace("{port}", str(free_port()))
+                for arg in self.args]
+
+
+@dataclass
+class Outcome:
+    """What a case's run left: the exit code and output of the job (of the rerun, with Fault.rerun: `first` is the
+    interrupted job's exit code and `stdout` holds both), the workers the fault saw, and where it ran."""
+
+    code: int
+    stdout: str
+    stderr: str
+    folder: Path
+    snapshots: Path
+    cwd: Path  # where the command ran: empty before
+    first: int | None = None
+    workers: tuple[int, ...] = ()
+    workers_gone_s: float | None = None  # after a killed agent: seconds until its orphaned workers had left
+    reference: Path | None = None  # the run directory of the reference run
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def table(*cases: Case) -> list:
+    """The cases as pytest parameters, each named by its id: `@pytest.mark.parametrize("case", table(...))`."""
+    return [pytest.param(case, id=case.id, marks=case.marks) for case in cases]
+
+
+def error_lines(output: str) -> list[str]:
+    """The `error: ...` lines of an output, without the `[rank N] ` prefix of ranks other than 0."""
+    prefixed = re.compile(r"^(\[rank \d+\] )?(?=error: )")
+    return [prefixed.sub("", line) for line in output.splitlines() if prefixed.match(line)]
+
+
+def run_dir_of(args: list[str], folder: Path) -> Path:
+    """The run directory a command's `hydra.run.dir=` names (the case's folder's `run` if it names none)."""
+    named = [arg.split("=", 1)[1] for arg in args if arg.startswith("hydra.run.dir=")]
+    return Path(named[-1]) if named else folder / "run"
+
+
+def run_case(case: Case, folder: Path, snapshots: Path | None = None, timeout: float = 300) -> Outcome:
+    """Run `case` in `folder` (its snapshots in `snapshots`, by default folder/snaps) and check what every case
+    promises: its exit code, its `expect` texts in the output, no run directory where it ends before one, and with
+    `reference` the weights of the same command run in folder/reference without the fault. Returns the Outcome for
+    the test's own checks."""
+    snapshots = snapshots or folder / "snaps"
+    for name, content in case.files:
+        (folder / name).write_bytes(content)
+    if case.prepare is not None:
+        case.prepare(folder, snapshots)
+    args = case.arguments(folder, snapshots)
+    env = {**subprocess_env(folder), **(case.env(folder) if case.env else {})}
+    env = {key: value for key, value in env.items() if value is not None}
+    cwd = folder / "cwd"  # a folder of its own: relative data paths must still resolve against the project
+    cwd.mkdir(exist_ok=True)
+    launcher = None if case.nproc is None else standalone(case.nproc)
+    command = cli([*own_snapshots(folder), *args], launcher, case.script) if case.script == "main.py" \
+        else cli(args, launcher, case.script)
+    run_dir = run_dir_of(args, folder)
+    if case.fault is None:
+        done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        outcome = Outcome(done.returncode, done.stdout, done.stderr, folder, snapshots, cwd)
+    else:
+        outcome = _interrupted(case, command, cwd, env, run_dir, folder, snapshots, timeout)
+    assert outcome.code == case.exit_code, f"exit {outcome.code}:\n{outcome.output[-3000:]}"
+    missing = [text for text in case.expect if text not in outcome.output]
+    assert not missing, (missing, outcome.output[-3000:])
+    if case.error:
+        errors = error_lines(outcome.stderr)
+        assert len(errors) == 1, outcome.output[-3000:]  # under torchrun too: once for the job, not once per rank
+        assert re.search(case.error, errors[0].removeprefix("error: ")), errors[0]
+        if case.nproc is None:
+            assert "Traceback" not in outcome.output, outcome.output[-3000:]
+            assert [line for line in outcome.stderr.splitlines() if line.strip()] == errors, outcome.stderr[-3000:]
+        else:
+            frames = re.findall(r'File "([^"]+)"', outcome.output)
+            assert not [f for f in frames if f.startswith(str(PROJECT_DIR)) and "/.venv/" not in f], outcome.output
+    if case.no_run_dir:
+        assert not run_dir.exists() and not (cwd / "outputs").exists()  # it failed before Hydra made one
+    if case.reference:
+        outcome.reference = reference_run(case, folder, cwd, env, timeout)
+        assert weights_digest(run_dir) == weights_digest(outcome.reference)
+    return outcome
+
+
+# The reference runs made so far, by command (its `{d}`, `{s}` unformatted) and launch: cases that would run the
+# same uninterrupted command share one run of it.
+_REFERENCES: dict[tuple, Path] = {}
+
+
+def reference_run(case: Case, folder: Path, cwd: Path, env: dict[str, str], timeout: float) -> Path:
+    """The run directory of `case`'s command run without its fault (in folder/reference, or where another case ran
+    the same command before)."""
+    key = (case.script, case.nproc, case.args)
+    if key not in _REFERENCES:
+        home = folder / "reference"
+        home.mkdir()
+        args = case.arguments(home, home / "snaps")
+        launcher = None if case.nproc is None else standalone(case.nproc)
+        straight = subprocess.run(cli([*own_snapshots(home), *args], launcher), cwd=cwd, env=env, capture_output=True,
+                                  text=True, timeout=timeout)
+        assert_ok(straight)
+        _REFERENCES[key] = run_dir_of(args, home)
+    return _REFERENCES[key]
+
+
+def _interrupted(case: Case, command: list[str], cwd: Path, env: dict[str, str], run_dir: Path, folder: Path,
+                 snapshots: Path, timeout: float) -> Outcome:
+    """The torchrun job of `case`, its Fault injected from outside once its metrics reach the fault's step."""
+    fault, log_path = case.fault, folder / "launch.log"
+    assert fault.victim in VICTIMS and case.nproc, case
+    command = [*command[:3], f"--max-restarts={fault.restarts}", *command[3:]]  # after `python -m ...run`
+    with log_path.open("w") as log:
+        job = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    workers: list[int] = []
     try:
-        kill_at_step(job, run_dir, at_step, victim, nproc=nproc)
-        code = job.wait(timeout=240)
+        wait_for(lambda: logged_step(run_dir) >= fault.at_step or job.poll() is not None, timeout=120,
+                 what=f"step {fault.at_step}")
+        workers = children(job.pid)
+        assert job.poll() is None and len(workers) == case.nproc, (workers, log_path.read_text()[-3000:])
+        if fault.victim in ("agent", "launcher"):
+            os.kill(job.pid, fault.signal)
+        else:
+            os.kill(workers[-1] if fault.victim == "worker" else next(w for w in workers if rank_of(w) == 0),
+                    fault.signal)
+        code = job.wait(timeout=timeout)
+        gone_s = None
+        if fault.victim == "agent":  # its workers are orphans now, which must leave by themselves
+            killed_at = time.monotonic()
+            wait_for(lambda: not any(running(w) for w in workers), timeout=30, what="the orphaned workers to exit")
+            gone_s = time.monotonic() - killed_at
     finally:
         if job.poll() is None:  # something failed on the way: no job left behind
             kill_all([*children(job.pid), job.pid])
             job.wait()
-    log = (tmp_path / "launch.log").read_text()
-    assert code == 0, log[-3000:]
-    assert "resumed from" in log, log[-3000:]
-    if reference is not None:
-        assert weights_digest(run_dir) == weights_digest(reference)
-    return log
+        kill_all(workers)
+    output = log_path.read_text()
+    if not fault.rerun:
+        return Outcome(code, output, "", folder, snapshots, cwd, first=code, workers=tuple(workers),
+                       workers_gone_s=gone_s)
+    again = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return Outcome(again.returncode, output + again.stdout, again.stderr, folder, snapshots, cwd, first=code,
+                   workers=tuple(workers), workers_gone_s=gone_s)
 
 
-@dataclass(frozen=True)
-class CliCase:
-    """An integration case as a row of a table (after torchtitan's OverrideDefinitions): the command-line `args`
-    (`{d}` stands for the case's own folder) and the `files` written there first; what must come out: the exit
-    code, the texts its output (or its one error line) contains, and whether it may make a run directory."""
-
-    id: str
-    args: tuple[str, ...]
-    expect: tuple[str, ...] = ()
-    exit_code: int = 0
-    files: tuple[tuple[str, bytes], ...] = ()  # (name, content)
-    no_run_dir: bool = False  # it ends before Hydra makes a run directory
-    marks: tuple = ()
-
-    def arguments(self, folder: Path) -> list[str]:
-        for name, content in self.files:
-            (folder / name).write_bytes(content)
-        return [arg.format(d=folder) for arg in self.args]
-
-
-def table(*cases: CliCase) -> list:
-    """The cases as pytest parameters, each named by its id: `@pytest.mark.parametrize("case", table(...))`."""
-    return [pytest.param(case, id=case.id, marks=case.marks) for case in cases]
+def running(pid: int) -> bool:
+    """Not gone and not a zombie waiting for its parent."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def read_summary(run_dir: Path) -> dict:

@@ -1,4 +1,6 @@
-"""bench.py runs the real trainer and reports consistent numbers (it is not itself a performance test)."""
+"""bench.py runs the real trainer and reports consistent numbers: one process with snapshots and the nanoGPT
+baseline, under torchrun with scaling, the comparisons refusing the wrong launch, the data benchmark (it is not
+itself a performance test; its parts in one process: tests/unit/test_bench.py)."""
 
 import json
 import subprocess

@@ -6,15 +6,14 @@ from pathlib import Path
 import pytest
 from support import (
     TINY,
-    CliCase,
     assert_ok,
     cli,
+    job_args,
     own_snapshots,
     read_summary,
     run_cli,
     standalone,
     subprocess_env,
-    table,
 )
 
 from mingpt.reporting.logs import read_metrics
@@ -84,53 +83,11 @@ def test_single_process_without_torchrun(tmp_path, run_dir):
     assert all(f"- {arg}" in saved for arg in TINY) and "hydra.mode" not in saved, saved
 
 
-# Each case: its overrides (and the files it writes first) -> exit code 2 and one `error: ...` line containing
-# `expect`, no traceback.
-BAD_INPUTS = table(
-    CliCase("misspelled override", ("trainer_config.max_epoch=3",), ("max_epoch", "TrainerConfig"), 2,
-            no_run_dir=True, marks=(pytest.mark.oldest_torch,)),
-    CliCase("missing data file", ("data_config.path=/no/such/file.txt",), ("data file not found",), 2),
-    CliCase("empty data file", ("data_config.path={d}/e.txt",), ("is empty",), 2, files=(("e.txt", b""),)),
-    CliCase("text shorter than block_size + 1", ("data_config.path={d}/s.txt", "data_config.block_size=64"),
-            ("too short",), 2, files=(("s.txt", b"too short"),)),
-    CliCase("non-UTF-8 bytes", ("data_config.path={d}/b.txt",), ("not UTF-8",), 2,
-            files=(("b.txt", bytes(range(256)) * 10),)),
-    CliCase("n_embd not divisible by n_head", ("gpt_config.n_embd=100", "gpt_config.n_head=3"), ("divisible",), 2),
-    CliCase("zero batch size", ("trainer_config.batch_size=0",), ("batch_size must be positive",), 2),
-    CliCase("negative batch size", ("trainer_config.batch_size=-4",), ("batch_size must be positive",), 2),
-    CliCase("zero learning rate", ("optimizer_config.learning_rate=0",), ("learning_rate must be positive",), 2),
-    CliCase("negative learning rate", ("optimizer_config.learning_rate=-1e-3",), ("learning_rate must be positive",),
-            2),
-    CliCase("train_split of 1", ("data_config.train_split=1.0",), ("train_split must be in (0, 1)",), 2),
-    CliCase("train_split of 0", ("data_config.train_split=0",), ("train_split must be in (0, 1)",), 2),
-    CliCase("wrong type", ("gpt_config.n_layer=four",), ("could not be converted to Integer",), 2),
-    # Hydra's own flags do not bypass the check: every value of a sweep is checked before its first job runs.
-    CliCase("typo inside a sweep (-m)", ("-m", "trainer_config.max_step=1,2"), ("Key 'max_step' not in",), 2),
-    CliCase("bad value inside a sweep", ("--multirun", "trainer_config.batch_size=8,0"),
-            ("batch_size must be positive, got 0",), 2),
-    CliCase("typo with --cfg job", ("--cfg", "job", "gpt_config.n_layr=2"), ("Key 'n_layr' not in",), 2),
-    CliCase("unknown flag", ("--bogus",), ("unknown option --bogus",), 2),
-    CliCase("two Hydra modes", ("-m", "--cfg", "job"), ("only one of --cfg, --multirun can be given",), 2),
-)
-
-
-@pytest.mark.parametrize("case", BAD_INPUTS)
-def test_bad_input_is_one_clear_line(tmp_path, run_dir, case):
-    result = run_cli([*case.arguments(tmp_path), f"hydra.run.dir={run_dir}"], tmp_path, timeout=60)
-    assert result.returncode == case.exit_code, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ") and all(text in lines[0] for text in case.expect), lines[0]
-    assert "Traceback" not in result.stdout + result.stderr
-    if case.no_run_dir:
-        assert not run_dir.exists() and not (tmp_path / "outputs").exists()  # failed before Hydra made one
-
-
 @pytest.mark.oldest_torch
 def test_an_unreachable_snapshot_location_fails_before_the_data_is_read(tmp_path, run_dir):
     """Every location the run writes to is checked before the data is read or the model built (with a large corpus
     that is minutes earlier)."""
-    result = run_cli([*TINY, "trainer_config.snapshot_path=ftp://127.0.0.1:1/x", f"hydra.run.dir={run_dir}"],
+    result = run_cli(job_args("ftp://127.0.0.1:1/x", run_dir),
                      tmp_path, timeout=60)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [

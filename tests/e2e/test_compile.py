@@ -5,21 +5,15 @@ one compile this suite can afford also checks that both attention implementation
 snapshot moves between them (attention is how the model computes, not its shape).
 """
 
-from support import TINY, assert_ok, run_cli
+from support import assert_ok, job_args, run_cli
 
 from mingpt.reporting.logs import read_metrics
 
 
 def compile_args(tmp_path, name: str, max_steps: int, *extra: str) -> list[str]:
-    return [
-        *TINY,
-        "gpt_config.dropout=0.0",  # compiled kernels draw dropout masks from their own generator
-        f"trainer_config.max_steps={max_steps}",
-        "trainer_config.log_every_steps=1",
-        f"trainer_config.snapshot_path={tmp_path / ('snaps_' + name)}",
-        f"hydra.run.dir={tmp_path / ('run_' + name)}",
-        *extra,
-    ]
+    # dropout off: compiled kernels draw dropout masks from their own generator
+    return job_args(tmp_path / f"snaps_{name}", tmp_path / f"run_{name}", "gpt_config.dropout=0.0", *extra,
+                    max_steps=max_steps, log_every_steps=1)
 
 
 def train_losses(run_dir) -> dict[int, float]:

@@ -1,5 +1,5 @@
-"""The data layer in one process: vocabulary, windows, the split, sources (files, folders, globs, URLs), the
-encoded-corpus cache (reuse, rebuild, damage, locking, room) and the epoch order."""
+"""The data layer as another user (setpriv, from root): a folder of the corpus that cannot be listed is named, never
+left out (the rest of the data layer, in one process: tests/unit/test_dataset.py)."""
 
 import os
 from pathlib import Path

@@ -13,10 +13,10 @@ import subprocess
 import pytest
 import torch.distributed as dist
 from support import (
-    TINY,
     children,
     cli,
     free_port,
+    job_args,
     kill_all,
     logged_step,
     read_summary,
@@ -39,10 +39,8 @@ def elastic_agent(tmp_path, name, port, is_host, env, extra_args=(), max_restart
     torchrun = ["--nnodes=1:2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                 "--rdzv_id=elastic", f"--max-restarts={max_restarts}",
                 f"--rdzv_conf={RDZV_CONF},is_host={str(is_host).lower()}"]
-    command = cli([*TINY, f"trainer_config.max_steps={MAX_STEPS}", "trainer_config.log_every_steps=1",
-                   "trainer_config.save_every_steps=4", "trainer_config.eval_every_steps=100000",
-                   f"trainer_config.snapshot_path={tmp_path / 'snaps'}", f"hydra.run.dir={tmp_path / 'run'}",
-                   *extra_args], torchrun)
+    command = cli(job_args(tmp_path / "snaps", tmp_path / "run", *extra_args, max_steps=MAX_STEPS, log_every_steps=1,
+                           save_every_steps=4, eval_every_steps=100000), torchrun)
     log = (tmp_path / f"{name}.log").open("w")
     return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -132,7 +130,7 @@ def fake_worker(tmp_path, rank, port, agent_store, group_rank=None):
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": str(agent_store),
            "GROUP_RANK": str(rank if group_rank is None else group_rank), "MINGPT_MEET_TIMEOUT_S": "3"}
     return subprocess.run(
-        cli([*TINY, f"trainer_config.snapshot_path={tmp_path / 'snaps'}", f"hydra.run.dir={tmp_path / 'run'}"]),
+        cli(job_args(tmp_path / "snaps", tmp_path / "run")),
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )
 

@@ -1,6 +1,6 @@
-"""strategy=fsdp in one process (FSDP2 over a process group of one: one shard holds all, the same code paths as
-N ranks), sharded snapshots (torch.distributed.checkpoint), their damage and commit rules, DDP <-> FSDP resumes,
-the snapshot tools (consolidate, export), activation checkpointing. Several processes: tests/e2e/test_fsdp_ranks.py."""
+"""strategy=fsdp through the commands: the snapshot tools (list, consolidate, export) on sharded snapshots, and
+sharded snapshots on the S3 server (in one process: tests/unit/test_fsdp.py; several ranks:
+tests/e2e/test_fsdp_ranks.py)."""
 
 from __future__ import annotations
 

@@ -10,17 +10,16 @@ import shutil
 
 import pytest
 import torch
-from support import TINY, assert_ok, kill_and_resume, muon_where_available, read_summary, run_cli
+from support import Case, Fault, assert_ok, job_args, muon_where_available, read_summary, run_case, run_cli
 
 from mingpt import compat
 from mingpt.checkpoint import store as snap
 
 
-def fsdp_args(snaps, run_dir, strategy: str = "fsdp", max_steps: int = 40) -> list[str]:
+def fsdp_args(snaps, run_dir) -> list[str]:
     """Muon's matrices gathered whole from their shards, beside AdamW, where torch has Muon."""
-    return [*TINY, *muon_where_available(), f"parallel_config.strategy={strategy}",
-            f"trainer_config.max_steps={max_steps}", "trainer_config.save_every_steps=10", "trainer_config.keep_last=5",
-            f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}"]
+    return job_args(snaps, run_dir, *muon_where_available(), "parallel_config.strategy=fsdp", max_steps=40,
+                    save_every_steps=10, keep_last=5)
 
 
 @pytest.mark.oldest_torch
@@ -39,18 +38,17 @@ def test_fsdp_on_a_cpu_is_refused_in_one_line_by_a_torch_too_old_for_it(tmp_path
 @pytest.mark.skipif(compat.TORCH < compat.CPU_FSDP_TORCH,
                     reason="FSDP on a CPU needs torch 2.7 (refused in one line: above)")
 def test_two_ranks_save_shards_survive_a_kill_and_resume_on_one_and_three(tmp_path):
-    straight = run_cli(fsdp_args(tmp_path / "snaps_a", tmp_path / "run_a"), tmp_path, nproc=2)
-    assert_ok(straight)
-    reference = read_summary(tmp_path / "run_a")
+    # A worker SIGKILLed mid-run; torchrun restarts both, they resume from their shards: the weights of the same
+    # command uninterrupted (the reference run).
+    killed = run_case(Case("fsdp", tuple(fsdp_args("{s}", "{d}/run")), nproc=2, fault=Fault(at_step=25),
+                           reference=True, expect=("resumed from",)), tmp_path)
+    reference = read_summary(killed.reference)
     assert reference["steps"] == 40 and reference["replicas_identical"]
-    folder = tmp_path / "snaps_a" / "snapshot-000000020.dcp"
+    snaps_a = killed.reference.parent / "snaps"
+    folder = snaps_a / "snapshot-000000020.dcp"
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "snapshot.json"} == set(os.listdir(folder))
-    newest = snap.summary(snap.read_snapshot(str(tmp_path / "snaps_a" / "snapshot-000000040.dcp")))
+    newest = snap.summary(snap.read_snapshot(str(snaps_a / "snapshot-000000040.dcp")))
     assert newest["weights_sha256"] == reference["weights_sha256"] and newest["world_size"] == 2
-
-    # A worker SIGKILLed mid-run; torchrun restarts both, they resume from their shards: the same weights.
-    kill_and_resume(fsdp_args(tmp_path / "snaps_b", tmp_path / "run_b"), tmp_path, tmp_path / "run_b", at_step=25,
-                    reference=tmp_path / "run_a")
 
     # The 2 ranks' step-20 snapshot, resumed by 1 process (no torchrun: a group of one) and by 3.
     for nproc in (None, 3):

@@ -1,10 +1,11 @@
-"""The GPU path, checked on a CPU: precision choice on simulated GPUs, batches as one contiguous window block,
-resuming across a change of mixed_precision (fp16 runs on a CPU too), and bench.py's datasheet peaks."""
+"""The GPU path, checked on a CPU with processes: batches as one contiguous window block in the in-process path and
+the DataLoader workers' (the path CUDA takes), the same weights from both, and the CLI resuming across a change of
+mixed_precision (fp16 runs on a CPU too). Precision choice and peaks: tests/unit/test_gpu_path.py."""
 
 
 import pytest
 import torch
-from support import TINY, assert_ok, gpu_path_trainer, run_cli
+from support import assert_ok, gpu_path_trainer, job_args, run_cli
 
 from mingpt.reporting.logs import read_metrics
 
@@ -38,9 +39,8 @@ def test_data_loader_workers_train_the_same_weights():
 
 
 def precision_run(tmp_path, precision: str, max_steps: int, run: str):
-    args = [*TINY, f"trainer_config.max_steps={max_steps}", "trainer_config.eval_every_steps=10",
-            "trainer_config.eval_batches=2", f"trainer_config.mixed_precision={precision}",
-            f"hydra.run.dir={tmp_path / run}"]
+    args = job_args(tmp_path / "snapshots", tmp_path / run, max_steps=max_steps, eval_every_steps=10, eval_batches=2,
+                    mixed_precision=precision)
     proc = run_cli(args, tmp_path)
     assert_ok(proc)
     return proc.stdout + proc.stderr, read_metrics(tmp_path / run)

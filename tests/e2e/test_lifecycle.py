@@ -7,47 +7,35 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 from support import (
     PYTHON,
-    TINY,
+    Case,
+    Fault,
     assert_ok,
     children,
+    job_args,
     kill_all,
-    kill_at_step,
     logged_step,
     read_summary,
+    run_case,
     run_cli,
+    running,
     start_cli,
     wait_for,
-    weights_digest,
 )
 
 from mingpt import PROJECT_DIR
 from mingpt.checkpoint import store as snap
 
 
-def job_args(snaps: Path, run_dir: Path, max_steps: int, every: int = 10) -> list[str]:
-    return [*TINY, f"trainer_config.max_steps={max_steps}", f"trainer_config.save_every_steps={every}",
-            f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}"]
-
-
-def alive(pid: int) -> bool:
-    """Running (not gone, not a zombie waiting for its parent)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def test_rerun_of_a_finished_job_says_so_and_exits_0(tmp_path):
     snaps = tmp_path / "snaps"
-    first = run_cli(job_args(snaps, tmp_path / "run1", max_steps=20), tmp_path)
+    first = run_cli(job_args(snaps, tmp_path / "run1", max_steps=20, save_every_steps=10), tmp_path)
     assert_ok(first)
     # Again, as `make run` twice does: a new run directory, nothing to train. Under torchrun, where a crash at the
     # end would use up every restart.
-    again = run_cli([*job_args(snaps, tmp_path / "run2", max_steps=20)], tmp_path, nproc=2)
+    again = run_cli(job_args(snaps, tmp_path / "run2", max_steps=20, save_every_steps=10), tmp_path, nproc=2)
     assert_ok(again)
     assert again.stdout.count("nothing to train") == 1, again.stdout[-3000:]
     assert "raise trainer_config.max_steps or trainer_config.max_epochs" in again.stdout
@@ -57,7 +45,8 @@ def test_rerun_of_a_finished_job_says_so_and_exits_0(tmp_path):
     assert [e.step for e in snap.SnapshotStore(str(snaps)).entries()] == [20, 10]  # nothing written
 
     # The same error on every rank (a snapshot of another shape) is printed once, not once per rank.
-    other = run_cli([*job_args(snaps, tmp_path / "run3", max_steps=30), "gpt_config.n_layer=3"], tmp_path, nproc=2)
+    other = run_cli(job_args(snaps, tmp_path / "run3", "gpt_config.n_layer=3", max_steps=30, save_every_steps=10),
+                    tmp_path, nproc=2)
     assert other.returncode != 0
     errors = [line for line in other.stderr.splitlines() if "error:" in line and "n_layer" in line]
     assert len(errors) == 1, other.stderr[-3000:]
@@ -65,39 +54,24 @@ def test_rerun_of_a_finished_job_says_so_and_exits_0(tmp_path):
 
 def test_workers_of_a_killed_agent_stop_and_a_rerun_ends_as_if_uninterrupted(tmp_path):
     steps = 400  # ~10 s of training on 2 cores: orphans that trained on would still be at it when checked
-    straight = run_cli(job_args(tmp_path / "snaps_a", tmp_path / "run_a", steps), tmp_path, nproc=2)
-    assert_ok(straight)
-
-    snaps, run_dir = tmp_path / "snaps_b", tmp_path / "run_b"
-    job = start_cli(job_args(snaps, run_dir, steps), tmp_path, nproc=2)
-    workers: list[int] = []
-    try:
-        workers = kill_at_step(job, run_dir, at_step=20, victim="agent")  # the agent only, as the OOM killer would
-        job.wait()
-        killed_at = time.monotonic()
-        wait_for(lambda: not any(alive(w) for w in workers), timeout=15, what="the orphaned workers to exit")
-        gone_after = time.monotonic() - killed_at
-    finally:
-        kill_all(workers)
-    stopped_at = logged_step(run_dir)
+    args = tuple(job_args("{s}", "{d}/run", max_steps=steps, save_every_steps=10))
+    # The agent only SIGKILLed, as the OOM killer would: its workers must stop by themselves, within seconds.
+    killed = run_case(Case("agent", args, nproc=2, fault=Fault(at_step=20, victim="agent", restarts=0),
+                           exit_code=-9, expect=("stop requested (SIGTERM)",)), tmp_path)
+    assert killed.workers_gone_s < 10, killed.workers_gone_s
+    snaps, stopped_at = tmp_path / "snaps", logged_step(tmp_path / "run")
     assert stopped_at < steps - 50, stopped_at  # they stopped; they did not finish the job
-    assert gone_after < 10, gone_after
-    log = (tmp_path / "launch.log").read_text()
-    assert "stop requested (SIGTERM)" in log, log[-3000:]
     assert not [p.name for p in snaps.iterdir() if ".tmp-" in p.name]  # nothing half-written
     for entry in snap.SnapshotStore(str(snaps)).entries():
         snap.read_snapshot(str(snaps / entry.name))  # every snapshot there reads back intact
-
-    rerun = run_cli(job_args(snaps, run_dir, steps), tmp_path, nproc=2)  # the user runs the command again
-    assert_ok(rerun)
-    assert "resumed from" in rerun.stdout
-    assert weights_digest(run_dir) == weights_digest(tmp_path / "run_a")
+    # The user runs the command again: it resumes and ends with the weights of a run that was never interrupted.
+    run_case(Case("rerun", args, nproc=2, reference=True, expect=("resumed from",)), tmp_path)
 
 
 def test_one_rank_failing_ends_every_rank_within_seconds_with_one_report(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "metrics.jsonl").mkdir(parents=True)  # rank 0's first metrics write fails; rank 1 writes none
-    job = start_cli([*job_args(tmp_path / "snaps", run_dir, 100000, every=1000)], tmp_path, nproc=2)
+    job = start_cli(job_args(tmp_path / "snaps", run_dir, max_steps=100000, save_every_steps=1000), tmp_path, nproc=2)
     log_path = tmp_path / "launch.log"
     try:
         wait_for(lambda: "IsADirectoryError" in log_path.read_text() or job.poll() is not None, timeout=120,
@@ -116,7 +90,8 @@ def test_one_rank_failing_ends_every_rank_within_seconds_with_one_report(tmp_pat
 
 def test_sigterm_with_a_stuck_peer_leaves_within_the_stop_timeout(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*job_args(tmp_path / "snaps", run_dir, 100000, every=1000), "trainer_config.stop_timeout_s=3"]
+    args = job_args(tmp_path / "snaps", run_dir, "trainer_config.stop_timeout_s=3", max_steps=100000,
+                    save_every_steps=1000)
     job = start_cli(args, tmp_path, nproc=2)
     workers: list[int] = []
     try:
@@ -126,7 +101,7 @@ def test_sigterm_with_a_stuck_peer_leaves_within_the_stop_timeout(tmp_path):
         time.sleep(1)  # the other rank is now blocked in a collective with it
         os.kill(workers[0], signal.SIGTERM)
         signalled_at = time.monotonic()
-        wait_for(lambda: not alive(workers[0]), timeout=30, what="the signalled rank to leave")
+        wait_for(lambda: not running(workers[0]), timeout=30, what="the signalled rank to leave")
         left_after = time.monotonic() - signalled_at
     finally:
         kill_all([*workers, job.pid])

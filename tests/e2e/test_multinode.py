@@ -2,7 +2,7 @@
 
 import subprocess
 
-from support import TINY, cli, free_port, read_summary, subprocess_env
+from support import cli, free_port, job_args, read_summary, subprocess_env
 
 
 def test_two_nodes_train_to_the_end_with_identical_weights(tmp_path):
@@ -13,8 +13,7 @@ def test_two_nodes_train_to_the_end_with_identical_weights(tmp_path):
     for node_rank in (0, 1):
         torchrun = ["--nnodes=2", f"--node_rank={node_rank}", "--nproc_per_node=1", "--rdzv_backend=c10d",
                     f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes"]
-        command = cli([*TINY, "trainer_config.max_steps=30", "trainer_config.save_every_steps=1000",
-                       f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}"], torchrun)
+        command = cli(job_args(snaps, run_dir, max_steps=30, save_every_steps=1000), torchrun)
         log = (tmp_path / f"node{node_rank}.log").open("w")
         agents.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
     codes = [agent.wait(timeout=240) for agent in agents]

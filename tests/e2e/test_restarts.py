@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 
-from support import TINY, children, cli, kill_all, standalone, subprocess_env, wait_for
+from support import children, cli, job_args, kill_all, standalone, subprocess_env, wait_for
 
 from mingpt.reporting.logs import read_metrics
 
@@ -17,9 +17,7 @@ KILLS = 6
 
 def test_six_sigkilled_workers_in_a_row_all_come_back(tmp_path):
     snaps, run_dir = tmp_path / "snaps", tmp_path / "run"
-    args = [*TINY, "trainer_config.max_steps=100000", "trainer_config.log_every_steps=1",
-            "trainer_config.save_every_steps=2", "trainer_config.eval_every_steps=100000",
-            f"trainer_config.snapshot_path={snaps}", f"hydra.run.dir={run_dir}"]
+    args = job_args(snaps, run_dir, max_steps=100000, log_every_steps=1, save_every_steps=2, eval_every_steps=100000)
     env = subprocess_env(tmp_path)
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # as users type it
     command = cli(args, standalone(2, f"--max-restarts={KILLS}"))

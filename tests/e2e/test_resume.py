@@ -8,14 +8,16 @@ from pathlib import Path
 import pytest
 from support import (
     PROJECT_DIR,
-    TINY,
+    Case,
+    Fault,
     assert_ok,
     assert_one_error_line,
     children,
-    kill_and_resume,
+    job_args,
     logged_step,
     muon_where_available,
     read_summary,
+    run_case,
     run_cli,
     start_cli,
     wait_for,
@@ -26,18 +28,10 @@ from mingpt.reporting.logs import read_metrics
 from trainer import cpu_has_native_bf16
 
 
-def resume_args(
-    snaps: Path, run_dir: Path, max_steps: int = 150, every: int = 10, precision: str = "fp32"
-) -> list[str]:
-    return [
-        *TINY,
-        f"trainer_config.mixed_precision={precision}",  # after TINY's: the last override of a key wins
-        f"trainer_config.max_steps={max_steps}",
-        f"trainer_config.save_every_steps={every}",
-        "trainer_config.eval_every_steps=50",
-        f"trainer_config.snapshot_path={snaps}",
-        f"hydra.run.dir={run_dir}",
-    ]
+def resume_args(snaps: Path | str, run_dir: Path | str, max_steps: int = 150, every: int = 10,
+                precision: str = "fp32") -> list[str]:
+    return job_args(snaps, run_dir, f"trainer_config.mixed_precision={precision}", max_steps=max_steps,
+                    save_every_steps=every, eval_every_steps=50)
 
 
 def rows_by_step(rows: list[dict], key: str) -> dict[int, float]:
@@ -56,22 +50,18 @@ def several_files(tmp_path: Path) -> list[str]:
 
 @pytest.mark.oldest_torch
 def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
-    """On a cached corpus of several files: the first run builds the cache, the killed one and its restart read
-    it; the weights and every logged value are those of the run that was not interrupted. In the default precision
-    (bf16 autocast and matmul attention on a CPU with bf16 instructions, fp32 on others), with Muon and AdamW where
-    torch has Muon; an AdamW run then refuses the Muon snapshots in one line."""
+    """On a cached corpus of several files: the first run builds the cache, its restart and the uninterrupted
+    reference run read it; a worker SIGKILLed at step 35, torchrun restarts both, they resume: the weights and every
+    logged value are those of the run that was not interrupted. In the default precision (bf16 autocast and matmul
+    attention on a CPU with bf16 instructions, fp32 on others), with Muon and AdamW where torch has Muon; an AdamW
+    run then refuses the Muon snapshots in one line."""
     data = [*several_files(tmp_path), *muon_where_available()]
-    straight = run_cli([*resume_args(tmp_path / "snaps_a", tmp_path / "run_a", max_steps=100, precision="auto"), *data],
-                       tmp_path, nproc=2)
-    assert_ok(straight)
-    assert "data: encoding" in straight.stdout and "of 4 files of" in straight.stdout
-    assert (", bfloat16, " in straight.stdout) == cpu_has_native_bf16()
-
-    # A worker SIGKILLed at step 35; torchrun restarts both, they resume: the weights of the run above.
-    log = kill_and_resume([*resume_args(tmp_path / "snaps_b", tmp_path / "run_b", max_steps=100, precision="auto"),
-                           *data], tmp_path, tmp_path / "run_b", at_step=35, reference=tmp_path / "run_a")
-    assert "data: encoding" not in log and log.count("of 4 files of") == 2  # the cache, found at each start
-    rows_a, rows_b = read_metrics(tmp_path / "run_a"), read_metrics(tmp_path / "run_b")
+    killed = run_case(Case("ddp", (*resume_args("{s}", "{d}/run", max_steps=100, precision="auto"), *data), nproc=2,
+                           fault=Fault(at_step=35), reference=True, expect=("resumed from",)), tmp_path)
+    log = killed.output
+    assert log.count("data: encoding") == 1 and log.count("of 4 files of") == 2  # built once, found at the restart
+    assert (", bfloat16, " in log) == cpu_has_native_bf16()
+    rows_a, rows_b = read_metrics(killed.reference), read_metrics(tmp_path / "run")
     assert len([r for r in rows_b if "train_loss" in r]) > len([r for r in rows_a if "train_loss" in r])  # re-run steps
     for key in ("train_loss", "val_loss", "lr"):
         a, b = rows_by_step(rows_a, key), rows_by_step(rows_b, key)
@@ -80,12 +70,12 @@ def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
                 assert row[key] == a[row["step"]], (key, row)
         assert b.keys() == a.keys()
     # keep_last=2: only the two newest snapshots remain
-    assert [e.step for e in snap.SnapshotStore(str(tmp_path / "snaps_b")).entries()] == [100, 90]
+    assert [e.step for e in snap.SnapshotStore(str(tmp_path / "snaps")).entries()] == [100, 90]
     if muon_where_available():  # AdamW cannot continue Muon's state: refused before anything is trained or written
-        refused = run_cli([*resume_args(tmp_path / "snaps_b", tmp_path / "run_c", max_steps=110), *data,
+        refused = run_cli([*resume_args(tmp_path / "snaps", tmp_path / "run_c", max_steps=110), *data,
                            "optimizer_config.name=adamw"], tmp_path)
         assert_one_error_line(refused, "trained with optimizer_config.name=muon, this run asks for adamw")
-        assert [e.step for e in snap.SnapshotStore(str(tmp_path / "snaps_b")).entries()] == [100, 90]
+        assert [e.step for e in snap.SnapshotStore(str(tmp_path / "snaps")).entries()] == [100, 90]
 
 
 def test_world_size_change_keeps_the_global_sample_position(tmp_path):
@@ -158,28 +148,25 @@ def test_damaged_newest_snapshot_falls_back_and_foreign_one_is_refused(tmp_path)
     assert {p.name: p.read_bytes() for p in snaps.iterdir()} == before  # nothing overwritten
 
 
+# A run long enough for a signal at step 5 or 10 to arrive well before its end, saving only when stopped: the
+# SIGTERM cases below share its uninterrupted reference run.
+SIGTERMED = tuple(resume_args("{s}", "{d}/run", max_steps=80, every=1000))
+
+
 def test_sigterm_saves_and_the_same_command_continues(tmp_path):
-    snaps, run_dir = tmp_path / "snaps", tmp_path / "run"
-    args = resume_args(snaps, run_dir, max_steps=100000, every=1000)
-    job = start_cli(args, tmp_path, nproc=2)
-    wait_for(lambda: logged_step(run_dir) >= 10, timeout=120, what="step 10")
-    job.send_signal(signal.SIGTERM)  # what a scheduler sends to the launcher before it kills the job
-    code = job.wait(timeout=60)
-    log = (tmp_path / "launch.log").read_text()
-    assert code in (0, 1), log[-3000:]  # torchrun itself reports the signal with exit code 1
-    assert "stop requested (SIGTERM)" in log and "saved (stop requested" in log
-    stopped_at = snap.SnapshotStore(str(snaps)).entries()[0].step
-    assert stopped_at >= 10
-    again = run_cli([*args, f"trainer_config.max_steps={stopped_at + 5}"], tmp_path, nproc=2)
-    assert_ok(again)
-    assert f"resumed from {snaps}/{snap.snapshot_name(stopped_at)}" in again.stdout
-    assert read_summary(run_dir)["steps"] == stopped_at + 5
+    """SIGTERM to torchrun, as a scheduler sends it before it kills the job: the workers save and stop; the same
+    command run again continues from that snapshot to the weights of the run that was not stopped."""
+    stopped = run_case(Case("sigterm-launcher", SIGTERMED, nproc=2, reference=True, expect=(
+        "stop requested (SIGTERM)", "saved (stop requested", "resumed from"),
+        fault=Fault(at_step=10, signal=signal.SIGTERM, victim="launcher", restarts=0, rerun=True)), tmp_path)
+    assert stopped.first in (0, 1), stopped.output[-3000:]  # torchrun itself reports the signal with exit code 1
+    assert read_summary(tmp_path / "run")["steps"] == 80
 
 
 def test_sigterm_to_one_worker_stops_all_cleanly(tmp_path):
-    snaps, run_dir = tmp_path / "snaps", tmp_path / "run"
-    job = start_cli(resume_args(snaps, run_dir, max_steps=100000, every=1000), tmp_path, nproc=2)
-    wait_for(lambda: logged_step(run_dir) >= 5, timeout=120, what="step 5")
-    os.kill(children(job.pid)[-1], signal.SIGTERM)
-    assert job.wait(timeout=60) == 0, (tmp_path / "launch.log").read_text()[-3000:]
-    assert snap.SnapshotStore(str(snaps)).entries()
+    """SIGTERM to one worker alone: every rank agrees to stop, saves and exits 0; the command run again ends as the
+    run that was not stopped."""
+    stopped = run_case(Case("sigterm-worker", SIGTERMED, nproc=2, reference=True,
+                            fault=Fault(at_step=5, signal=signal.SIGTERM, restarts=0, rerun=True)), tmp_path)
+    assert stopped.first == 0, stopped.output[-3000:]
+    assert "stop requested (SIGTERM)" in stopped.output and "resumed from" in stopped.output

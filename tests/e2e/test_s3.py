@@ -7,14 +7,13 @@ import sys
 
 import numpy as np
 import pytest
-from support import PROJECT_DIR, TINY, assert_ok, kill_and_resume, read_summary, run_cli
+from support import PROJECT_DIR, Case, Fault, assert_ok, job_args, read_summary, run_case, run_cli
 
 from mingpt.checkpoint import store as snap
 
 
 def args_for(url: str, run_dir, max_steps: int) -> list[str]:
-    return [*TINY, f"trainer_config.max_steps={max_steps}", "trainer_config.save_every_steps=10",
-            f"trainer_config.snapshot_path={url}", f"hydra.run.dir={run_dir}"]
+    return job_args(url, run_dir, max_steps=max_steps, save_every_steps=10)
 
 
 def keys(s3, bucket: str, prefix: str) -> list[str]:
@@ -25,8 +24,8 @@ def keys(s3, bucket: str, prefix: str) -> list[str]:
 def test_train_kill_and_resume_on_s3(tmp_path, s3):
     s3.create_bucket(Bucket="runs")
     run_dir = tmp_path / "run"
-    log = kill_and_resume(args_for("s3://runs/job1/", run_dir, max_steps=120), tmp_path, run_dir, at_step=25, victim=0)
-    assert "resumed from s3://runs/job1/snapshot-" in log
+    run_case(Case("s3", tuple(args_for("s3://runs/job1/", "{d}/run", max_steps=120)), nproc=2,
+                  fault=Fault(at_step=25, victim="rank0"), expect=("resumed from s3://runs/job1/snapshot-",)), tmp_path)
 
     assert keys(s3, "runs", "job1/") == ["job1/snapshot-000000110.pt", "job1/snapshot-000000120.pt"]
     body = s3.get_object(Bucket="runs", Key="job1/snapshot-000000120.pt")["Body"].read()
@@ -103,9 +102,8 @@ def test_a_corpus_under_an_s3_prefix_is_downloaded_once_and_encoded_as_the_same_
     s3.put_object(Bucket="corpus", Key="books/README.md", Body=b"not part of the corpus \xff")
     run_dir = tmp_path / "run"
     location = "s3://corpus/books/*.txt"
-    result = run_cli([*TINY, "data_config.truncate=1.0", f"data_config.path={location}", "trainer_config.max_steps=5",
-                      f"trainer_config.snapshot_path={tmp_path / 'snaps'}", f"hydra.run.dir={run_dir}"], tmp_path,
-                     nproc=2)
+    result = run_cli(job_args(tmp_path / "snaps", run_dir, "data_config.truncate=1.0", f"data_config.path={location}",
+                              max_steps=5), tmp_path, nproc=2)
     assert_ok(result)
     assert result.stdout.count("data: encoding s3://corpus/books/*.txt (3 files, 60,000 bytes)") == 1
     assert "60,002 characters of 3 files of s3://corpus/books/*.txt" in result.stdout

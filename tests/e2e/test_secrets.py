@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import PROJECT_DIR, PYTHON, TINY, assert_ok, cli, make_snapshot, run_cli, subprocess_env
+from support import PROJECT_DIR, PYTHON, assert_ok, cli, job_args, make_snapshot, run_cli, subprocess_env
 
 from mingpt.checkpoint import store as snap
 
@@ -34,8 +34,7 @@ def files_under(folder: Path) -> dict[str, bytes]:
 
 
 def short_run(snapshot_path: str, run_dir: Path) -> list[str]:
-    return [*TINY, "trainer_config.max_steps=5", "trainer_config.eval_every_steps=5", "trainer_config.eval_batches=1",
-            f"trainer_config.snapshot_path={snapshot_path}", f"hydra.run.dir={run_dir}"]
+    return job_args(snapshot_path, run_dir, max_steps=5, eval_every_steps=5, eval_batches=1)
 
 
 @pytest.fixture

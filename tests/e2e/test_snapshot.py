@@ -1,4 +1,5 @@
-"""Snapshot contents, bytes, integrity, storage and the snapshot.py CLI, in-process."""
+"""The snapshot.py commands as a user runs them: `info` and `list`, and `list` on a missing, empty or file location
+(contents, bytes, integrity and storage in one process: tests/unit/test_snapshot.py)."""
 
 import json
 import subprocess

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import s3fs
 import torch
-from support import TINY, assert_ok, cli, logged_step, subprocess_env, wait_for
+from support import assert_ok, cli, job_args, logged_step, subprocess_env, wait_for
 
 from mingpt.checkpoint import store as snap
 from mingpt.errors import UsageError
@@ -43,10 +43,8 @@ def step_of(key: str) -> int:
 
 # ------------------------------------------------------------------------------------------- the real CLI
 def train_args(url: str, run_dir: Path, max_steps: int, save_every_steps: int, keep_last: int = 100) -> list[str]:
-    return [*TINY, f"trainer_config.max_steps={max_steps}", f"trainer_config.save_every_steps={save_every_steps}",
-            f"trainer_config.keep_last={keep_last}", "trainer_config.eval_every_steps=100",
-            "trainer_config.progress=lines", f"trainer_config.snapshot_path={url}",
-            f"hydra.run.dir={run_dir}"]
+    return job_args(url, run_dir, max_steps=max_steps, save_every_steps=save_every_steps, keep_last=keep_last,
+                    eval_every_steps=100, progress="lines")
 
 
 def start_main(args: list[str], tmp_path: Path, name: str, max_file_bytes: int | None = None) -> subprocess.Popen:

@@ -1,9 +1,5 @@
-"""The house rules, checked: ruff's lint (pyproject.toml) over everything, the root holding only the design card's
-files and the commands a user runs, and the imports of every module (the root's, the mingpt package's, benchmarks/
-and slurm/), lazy imports included: no import cycle between the project's modules, and dependencies that point one
-way (the commands at the root -> the core at the root -> the mingpt package, which never imports the root). The
-trainer's behaviour lives in its own methods: no function of trainer.py takes a Trainer. (Sizes are not capped: a
-class is as long as its one concept needs.)"""
+"""The house rules that take a tool: ruff's lint (pyproject.toml) over everything, and the root holding only the design
+card's files and the commands a user runs (what git tracks). The import rules: tests/unit/test_style.py."""
 
 from __future__ import annotations
 

@@ -12,29 +12,24 @@ none imports neither: tests/e2e/test_cli.py, NOT_IMPORTED, in a run it makes any
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 from pathlib import Path
 
 from support import (
     PROJECT_DIR,
     PYTHON,
-    TINY,
+    Case,
+    Fault,
     assert_ok,
     assert_one_error_line,
-    children,
     cli,
     free_port,
-    kill_all,
-    logged_step,
-    start_cli,
+    job_args,
+    run_case,
     subprocess_env,
-    wait_for,
 )
 
-from benchmarks.chaos import rank_of
 from mingpt.reporting.logs import read_metrics
 from mingpt.reporting.trackers import KEY_FILE, LOG_FILE, row_key
 
@@ -42,19 +37,15 @@ SECRET = "tok3n-0f-the-st0rage"  # a storage option: masked in the parameters, n
 EXACT = ("train_loss", "val_loss", "lr")  # bit-exact across a resume; throughput and times are not
 
 
-def tracked_args(tmp_path: Path, run_dir: Path, max_steps: int) -> list[str]:
-    return [
-        *TINY, f"trainer_config.max_steps={max_steps}", "trainer_config.log_every_steps=2",
-        "trainer_config.eval_every_steps=10", "trainer_config.save_every_steps=20", "trainer_config.progress=lines",
-        f"trainer_config.snapshot_path={tmp_path / 'snaps'}", f"hydra.run.dir={run_dir}",
-        f"trainer_config.snapshot_storage_options={{token:'{SECRET}'}}",
-        "tracking_config.mlflow=true", f"tracking_config.mlflow_tracking_uri={mlflow_store(tmp_path)}",
-        "tracking_config.wandb=true", f"tracking_config.wandb_dir={tmp_path}",
-    ]
+def tracked_args(tmp_path: Path | str, run_dir: Path | str, max_steps: int) -> list[str]:
+    return job_args(f"{tmp_path}/snaps", run_dir, f"trainer_config.snapshot_storage_options={{token:'{SECRET}'}}",
+                    "tracking_config.mlflow=true", f"tracking_config.mlflow_tracking_uri={mlflow_store(tmp_path)}",
+                    "tracking_config.wandb=true", f"tracking_config.wandb_dir={tmp_path}", max_steps=max_steps,
+                    log_every_steps=2, eval_every_steps=10, save_every_steps=20, progress="lines")
 
 
-def mlflow_store(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"  # an absolute path: sqlite:////tmp/...
+def mlflow_store(tmp_path: Path | str) -> str:
+    return f"sqlite:///{tmp_path}/mlflow.db"  # an absolute path: sqlite:////tmp/...
 
 
 def tracker_env(tmp_path: Path) -> dict[str, str]:
@@ -72,23 +63,6 @@ def first_rows(run_dirs: list[Path]) -> list[dict]:
             seen.add(row_key(row))
             rows.append(row)
     return rows
-
-
-def kill_rank_0_and_resume(args: list[str], tmp_path: Path, run_dir: Path, at_step: int) -> str:
-    """torchrun --max-restarts=1 with rank 0 (the process feeding the trackers) SIGKILLed at `at_step`: the job
-    resumes from its newest snapshot and ends with exit code 0. Returns its output."""
-    job = start_cli(args, tmp_path, nproc=2, max_restarts=1, extra_env={"WANDB_ERROR_REPORTING": "false"})
-    try:
-        wait_for(lambda: logged_step(run_dir) >= at_step, timeout=120, what=f"step {at_step}")
-        os.kill(next(pid for pid in children(job.pid) if rank_of(pid) == 0), signal.SIGKILL)
-        code = job.wait(timeout=240)
-    finally:
-        if job.poll() is None:
-            kill_all([*children(job.pid), job.pid])
-            job.wait()
-    output = (tmp_path / "launch.log").read_text()
-    assert code == 0 and "resumed from" in output, output[-3000:]
-    return output
 
 
 def mlflow_runs(tmp_path: Path) -> tuple[object, list]:
@@ -150,8 +124,11 @@ def check_wandb(tmp_path: Path, expected: list[dict]) -> None:
 def test_a_killed_resumed_and_rerun_job_is_one_tracked_run_with_each_row_once(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # the SQLite store needs no opt-in, here or below
     run_a, run_b = tmp_path / "run_a", tmp_path / "run_b"
-    # Killed at step 25 or a little later: its snapshot is at step 20, the next one would be at 40.
-    output = kill_rank_0_and_resume(tracked_args(tmp_path, run_a, max_steps=50), tmp_path, run_a, at_step=25)
+    # Rank 0 (the process feeding the trackers) SIGKILLed at step 25 or a little later: its snapshot is at step 20,
+    # the next one would be at 40; torchrun restarts both and they resume.
+    output = run_case(Case("trackers", tuple(tracked_args("{d}", "{d}/run_a", max_steps=50)), nproc=2,
+                           fault=Fault(at_step=25, victim="rank0"), env=lambda d: {"WANDB_ERROR_REPORTING": "false"},
+                           expect=("resumed from",)), tmp_path).output
     resumed = int(re.search(r"resumed from \S+: step (\d+)", output).group(1))
     continued = dict(re.findall(r"tracking: (MLflow|W&B) run .* continuing after step (\d+)", output))
     assert set(continued) == {"MLflow", "W&B"}, output[-3000:]
@@ -177,9 +154,8 @@ def test_an_unreachable_mlflow_server_is_one_warning_and_the_run_goes_on(tmp_pat
     run_dir = tmp_path / "run"
     uri = f"http://127.0.0.1:{free_port()}"
     env = {**tracker_env(tmp_path), "PYTHONPROFILEIMPORTTIME": "1"}  # the worker's imports, on its stderr
-    args = [*TINY, "trainer_config.max_steps=20", f"hydra.run.dir={run_dir}",
-            f"trainer_config.snapshot_path={tmp_path / 'snaps'}", "tracking_config.mlflow=true",
-            f"tracking_config.mlflow_tracking_uri={uri}"]
+    args = job_args(tmp_path / "snaps", run_dir, "tracking_config.mlflow=true",
+                    f"tracking_config.mlflow_tracking_uri={uri}", max_steps=20)
     result = subprocess.run(cli(args), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert_ok(result)
     said = [line for line in (result.stdout + result.stderr).splitlines() if "MLflow" in line]

@@ -10,7 +10,7 @@ import termios
 from pathlib import Path
 
 import pytest
-from support import PROJECT_DIR, PYTHON, TINY, CliCase, assert_ok, cli, run_cli, subprocess_env, table
+from support import PROJECT_DIR, PYTHON, TINY, Case, assert_ok, cli, job_args, run_case, run_cli, subprocess_env, table
 
 from mingpt.reporting import plot
 from mingpt.reporting.logs import read_metrics
@@ -20,7 +20,7 @@ from mingpt.reporting.logs import read_metrics
 def trained(tmp_path_factory) -> Path:
     """One tiny single-process run shared by the tests that only look at its results."""
     tmp = tmp_path_factory.mktemp("trained")
-    result = run_cli([*TINY, f"hydra.run.dir={tmp / 'run'}", f"trainer_config.snapshot_path={tmp / 'snaps'}"], tmp)
+    result = run_cli(job_args(tmp / "snaps", tmp / "run"), tmp)
     assert_ok(result)
     (tmp / "stdout.txt").write_text(result.stdout)
     return tmp
@@ -52,8 +52,7 @@ def run_in_terminal(args: list[str], cwd: Path, timeout: float = 120) -> str:
 
 
 def test_progress_bar_on_a_terminal(tmp_path):
-    shown = run_in_terminal([*TINY, f"hydra.run.dir={tmp_path / 'run'}",
-                             f"trainer_config.snapshot_path={tmp_path / 'snaps'}"], tmp_path)
+    shown = run_in_terminal(job_args(tmp_path / "snaps", tmp_path / "run"), tmp_path)
     assert "%|" in shown and "40/40" in shown  # the bar, counting to the last step
     assert "tok/s, lr" in shown and "loss " in shown  # its postfix
     assert "step 5/40 |" not in shown  # no per-step lines on the terminal under a bar ...
@@ -67,7 +66,7 @@ def test_plain_lines_when_output_is_not_a_terminal(trained):
 
 
 def test_progress_can_be_switched_off(tmp_path):
-    result = run_cli([*TINY, "trainer_config.progress=off", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    result = run_cli(job_args(tmp_path / "snaps", tmp_path / "run", progress="off"), tmp_path)
     assert_ok(result)
     assert "| loss" not in result.stdout and "%|" not in result.stdout
     assert "val loss" in result.stdout and "step 40/40 |" in (tmp_path / "run" / "train.log").read_text()
@@ -135,40 +134,18 @@ def test_sample_options(trained, tmp_path):
     assert len(texts) == 2 and all(t.startswith("KING:\n") for t in texts) and texts[0] != texts[1]
 
 
-SAMPLE_ERRORS = table(  # sample.py with the trained snapshot: exit code 2 and one line containing `expect`
-    # Z is there: the whole corpus's vocabulary
-    CliCase("prompt outside the vocabulary", ("prompt='Zoë ☃'",), ("characters not in the vocabulary: 'ë☃'",), 2),
-    CliCase("zero temperature", ("temperature=0",), ("temperature must be positive",), 2),
-    CliCase("missing folder", ("snapshot=/no/such/folder",), ("no snapshot found at /no/such/folder",), 2),
-    CliCase("missing snapshot", ("snapshot=/no/such/snapshot-000000001.pt",), ("no such snapshot",), 2),
-    CliCase("misspelled key", ("max_new_token=5",), ("Key 'max_new_token' not in 'SampleConfig'",), 2),
-)
-
-
-@pytest.mark.parametrize("case", SAMPLE_ERRORS)
-def test_sample_errors_are_one_line(trained, tmp_path, case):
-    result = sample(f"snapshot={trained / 'snaps'}", *case.arguments(tmp_path), cwd=tmp_path)
-    assert result.returncode == case.exit_code
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and all(text in lines[0] for text in case.expect), result.stderr
-
-
 READ_ONLY_COMMANDS = table(  # main.py commands that print and exit 0: what they print, and no run directory
-    CliCase("--help describes groups and fields", ("--help",),
-            ("preset: cpu, gpu, nanogpt_cpu", "max_epochs", "passes over the training windows", "n_head",
-             "must divide n_embd"), no_run_dir=True),
-    CliCase("--cfg job prints the resolved config", ("preset=cpu", "gpt_config.n_layer=3", "--cfg", "job"),
-            ("trainer_config:", "n_layer: 3", "n_embd: 128"), no_run_dir=True),
+    Case("--help describes groups and fields", ("--help",),
+         expect=("preset: cpu, gpu, nanogpt_cpu", "max_epochs", "passes over the training windows", "n_head",
+                 "must divide n_embd"), no_run_dir=True),
+    Case("--cfg job prints the resolved config", ("preset=cpu", "gpt_config.n_layer=3", "--cfg", "job"),
+         expect=("trainer_config:", "n_layer: 3", "n_embd: 128"), no_run_dir=True),
 )
 
 
 @pytest.mark.parametrize("case", READ_ONLY_COMMANDS)
 def test_read_only_commands_print_and_write_nothing(tmp_path, case):
-    result = subprocess.run(cli(case.arguments(tmp_path)), capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert result.returncode == case.exit_code, result.stderr[-3000:]
-    assert all(text in result.stdout for text in case.expect), result.stdout[-3000:]
-    if case.no_run_dir:
-        assert not (tmp_path / "outputs").exists()
+    run_case(case, tmp_path)
 
 
 def test_multirun_sweep_gives_each_job_its_own_run_dir_and_snapshots(tmp_path):

@@ -1,4 +1,5 @@
-"""bench.py runs the real trainer and reports consistent numbers (it is not itself a performance test)."""
+"""bench.py's parts in this process: the nanoGPT baseline keeps nanoGPT's attention (the runs themselves:
+tests/e2e/test_bench.py; neither is a performance test)."""
 
 
 

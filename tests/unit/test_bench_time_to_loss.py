@@ -1,6 +1,5 @@
-"""benchmarks/time_to_loss.py: its readers of both programs' output on real lines, and one tiny pair of whole runs
-against nanoGPT's own train.py (cloned beside the project, as benchmarks/bench_launch.md has it, or where
-MINGPT_NANOGPT points; skipped without it). Not a performance test."""
+"""benchmarks/time_to_loss.py in this process: the settings it sets itself are refused (its readers of both
+programs' output and the whole runs: tests/e2e/test_bench_time_to_loss.py). Not a performance test."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The data layer in one process: vocabulary, windows, the split, sources (files, folders, globs, URLs), the
-encoded-corpus cache (reuse, rebuild, damage, locking, room) and the epoch order."""
+encoded-corpus cache (reuse, rebuild, damage, locking, room) and the epoch order (an unlistable folder, as another
+user: tests/e2e/test_dataset.py)."""
 
 import fcntl
 import gc

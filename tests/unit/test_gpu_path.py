@@ -1,5 +1,5 @@
-"""The GPU path, checked on a CPU: precision choice on simulated GPUs, batches as one contiguous window block,
-resuming across a change of mixed_precision (fp16 runs on a CPU too), and bench.py's datasheet peaks."""
+"""The GPU path, checked on a CPU in one process: precision choice on simulated GPUs and bench.py's datasheet peaks
+(batches, DataLoader workers and resuming across a change of mixed_precision: tests/e2e/test_gpu_path.py)."""
 
 import logging
 from types import SimpleNamespace

@@ -1,10 +1,9 @@
-"""`snapshot.py export --format hf` (mingpt/checkpoint/hf_export.py): the folder transformers loads offline computes
-our model's function. In this process, per architecture: a random GPT moved off its initialisation, exported from its
+"""`snapshot.py export --format hf` (mingpt/checkpoint/hf_export.py) in this process: the folder transformers loads
+offline computes our model's function. Per architecture: a random GPT moved off its initialisation, exported from its
 snapshot file and loaded by AutoModelForCausalLM, gives our logits (fp32, within 1e-5) under GPT-2 (tied and untied,
 gelu and relu2, with and without biases), GPT-NeoX, Arcee and Apertus; the tokenizer is our vocabulary's, character
 by character; each option without an exact equivalent is refused in one line; only the export imports transformers.
-Then the acceptance check on trained snapshots: one trained by two DDP processes (a file) and one by two FSDP
-processes (a folder of shards), exported by snapshot.py, give our logits and, greedily, sample.py's text."""
+On snapshots trained by real processes: tests/e2e/test_hf_export.py."""
 
 from __future__ import annotations
 

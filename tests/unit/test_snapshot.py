@@ -1,4 +1,5 @@
-"""Snapshot contents, bytes, integrity, storage and the snapshot.py CLI, in-process."""
+"""Snapshot contents, bytes, integrity and storage, in this process (the snapshot.py commands as processes:
+tests/e2e/test_snapshot.py)."""
 
 import logging
 import os

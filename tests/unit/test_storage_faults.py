@@ -1,12 +1,6 @@
-"""Storage faults, for real: an S3 server (moto's, over HTTP on 127.0.0.1) that stops in the middle of a run or is
-down from the start, a local disk that fills up, and a read-only snapshot location.
-
-What must hold: a failed save is retried with backoff and then reported in one line; training goes on; the
-previous snapshot stays the newest valid one, byte for byte, and nothing half-written appears as a snapshot; the
-next save after the store comes back succeeds; a save that cannot be made at the end of training, or a location
-that cannot be written at the start, is a one-line error and a non-zero exit. A multipart upload that fails or is
-killed leaves no parts in the bucket; a store that fails while snapshots are read at start is retried as a save
-is, then one line."""
+"""Storage faults in this process: bounded S3 request retries as a default that user settings override, and an
+unreachable store reported within seconds (the faults of a real S3 server and disk:
+tests/e2e/test_storage_faults.py)."""
 
 from __future__ import annotations
 
