@@ -1,6 +1,7 @@
 """What differs between the torch releases this project supports, in one place: the range, the one-line refusal of
-a feature the running torch is too old for, and every use of a private torch interface, each behind a guard with
-a public fallback (README, "Supported versions").
+a feature the running torch is too old for, and every call of a private torch interface, each behind a guard with
+a public fallback (README, "Supported versions"). Private names that are only names (a logger's, those DCP's shard
+index pickles) stay where they are used; docs/private-interfaces.md lists them all.
 
     check_torch_supported()                  # at start-up: torch older than OLDEST_TORCH is one line, not a TypeError
     require_torch((2, 7), "some feature")    # a feature that needs a newer torch than the oldest supported

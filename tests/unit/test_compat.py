@@ -1,20 +1,28 @@
 """The supported torch range and what differs inside it (compat.py), and the GPU-only faults checked on a CPU: the
 process-count check with a faked device count, and the sharded snapshot writer thread's loader and device."""
 
+import ast
+import importlib
+import importlib.util
+import logging
+import re
 import threading
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
 
-from mingpt import compat
+from mingpt import PROJECT_DIR, compat
+from mingpt.checkpoint import sharded
 from mingpt.checkpoint.sharded import ShardedWriter
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.distributed.process_group import cuda_device
-from mingpt.errors import UsageError
+from mingpt.errors import CorruptSnapshot, UsageError
 
 pytestmark = pytest.mark.oldest_torch
 
@@ -110,3 +118,112 @@ def test_the_sharded_writer_thread_stays_off_gpu_0(monkeypatch, tmp_path):
     writer.wait()
     assert devices == [("snapshot-writer", torch.device("cuda", 1))]
     assert (tmp_path / "snaps" / "snapshot-000000003.dcp").is_dir()
+
+
+# ------------------------------------------------------------------------ private interfaces: each one's fallback
+def test_fp16_under_fsdp_is_one_line_where_the_scaler_keeps_no_per_optimizer_states(monkeypatch):
+    """tests/unit/test_fsdp.py trains fp16 under FSDP with the private state there; where a torch keeps it no more,
+    the sharded scaler is refused in one line naming bf16, before any step."""
+    scaler = compat.sharded_gradient_scaler(torch.device("cpu"), None)
+    assert isinstance(scaler, ShardedGradScaler) and isinstance(scaler._per_optimizer_states, dict)
+    init = ShardedGradScaler.__init__
+
+    def init_without_the_states(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        del self._per_optimizer_states  # a torch where the private attribute moved
+
+    monkeypatch.setattr(ShardedGradScaler, "__init__", init_without_the_states)
+    with pytest.raises(UsageError) as refused:
+        compat.sharded_gradient_scaler(torch.device("cpu"), None)
+    assert str(refused.value).startswith("mixed_precision=fp16 under FSDP needs GradScaler internals that torch ")
+    assert str(refused.value).endswith(": use mixed_precision=bf16") and "\n" not in str(refused.value)
+
+
+def test_the_silenced_dtensor_logger_is_the_one_that_logs_the_hints():
+    """parallelize.py sets this logger to ERROR under tensor parallelism. Where the module is gone the name is an
+    unused logger (nothing fails, the hints show again): then there is nothing to check."""
+    name = "torch.distributed.tensor._redistribute"
+    if importlib.util.find_spec(name) is None:
+        pytest.skip(f"this torch has no {name}: the silencing is a no-op")
+    logger = getattr(importlib.import_module(name), "logger", None)
+    if logger is None:
+        pytest.skip(f"this torch's {name} logs nothing: the silencing is a no-op")
+    assert logger is logging.getLogger(name)
+
+
+def test_a_shard_index_is_refused_in_one_line_where_a_private_class_it_names_is_gone(monkeypatch, tmp_path):
+    """DCP's index pickles three private names (sharded.INDEX_CLASSES); on a torch without one, an index that names
+    it is refused in one line, never unpickled further."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save({"w": torch.ones(2, 3), "step": torch.tensor(3)},
+                 storage_writer=filesystem.FileSystemWriter(str(tmp_path)), **compat.dcp_alone(None))
+    data = (tmp_path / ".metadata").read_bytes()
+    assert set(sharded.parse_index(data, "x").state_dict_metadata) == {"w", "step"}
+    private = sorted((module, name) for module, name in sharded.INDEX_CLASSES if name.startswith("_"))
+    assert private == [("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                       ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+                       ("torch.serialization", "_get_layout")]
+    for module, name in private:
+        assert name.encode() in data  # each is in the index this torch writes
+        with monkeypatch.context() as gone:
+            gone.delattr(importlib.import_module(module), name)
+            with pytest.raises(CorruptSnapshot) as refused:
+                sharded.parse_index(data, "x")
+        assert str(refused.value) == "x: damaged shard index (AttributeError)"
+
+
+# ------------------------------------------------------------------------ private interfaces: the documented list
+def private_names_used() -> dict[str, list[str]]:
+    """Every private name (one leading underscore) the code of mingpt/ and the root's .py files takes from outside
+    the project, with where: an attribute read (`x._name`), a name imported (`from m import _name`, a module path
+    with a private part), or a string that is one name or a dotted path (getattr's, a logger's, a pickled class's).
+    A name the project defines anywhere (a function, class, argument, assignment, attribute set) is its own and
+    left out. Not seen: a name the project also defines, and one built at run time (an f-string)."""
+    sources = sorted([*PROJECT_DIR.glob("*.py"), *PROJECT_DIR.glob("mingpt/**/*.py")])
+    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in sources}
+    own: set[str] = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.arg):
+                own.add(node.arg)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.alias) and node.asname:
+                own.add(node.asname)
+    used: dict[str, list[str]] = {}
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, ast.Import):
+                names = [part for alias in node.names for part in alias.name.split(".")]
+            elif isinstance(node, ast.ImportFrom):
+                names = [alias.name for alias in node.names] + (node.module or "").split(".")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(
+                    r"[A-Za-z_]\w*(\.\w+)*", node.value):
+                names = node.value.split(".")
+            for name in names:
+                if re.fullmatch(r"_[A-Za-z]\w*", name) and not name.endswith("__") and name not in own:
+                    used.setdefault(name, []).append(f"{path.relative_to(PROJECT_DIR)}:{node.lineno}")
+    return used
+
+
+PUBLIC_DESPITE_THE_UNDERSCORE = {"_exit"}  # os._exit: documented by Python (docs/private-interfaces.md says so)
+
+
+def test_the_private_interfaces_page_lists_every_private_name_the_code_uses():
+    page = (PROJECT_DIR / "docs" / "private-interfaces.md").read_text(encoding="utf-8")
+    rows = [line.split(" | ")[0] for line in page.splitlines() if line.startswith("| `")]
+    listed = {part for row in rows for name in re.findall(r"`([\w.]+)`", row) for part in name.split(".")
+              if part.startswith("_")}
+    used = private_names_used()
+    assert {"_abort_process_group", "_per_optimizer_states"} <= set(used)  # the scan sees them
+    assert {name: where for name, where in used.items()
+            if name not in listed | PUBLIC_DESPITE_THE_UNDERSCORE} == {}, "used, not in docs/private-interfaces.md"
+    assert listed - set(used) == set(), "in docs/private-interfaces.md, no longer used"
