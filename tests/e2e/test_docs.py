@@ -56,6 +56,8 @@ SKIPPED = {
     ("docs/snapshots.md", "python snapshot.py consolidate snapshots/fsdp/snapshot-000002000.dcp"):
         "needs a 2,000-step FSDP run (docs/fsdp.md consolidates a short one, and runs)",
     ("docs/testing.md", "make test"): INSTALLS + "; then the whole suite (this test among it)",
+    ("docs/testing.md", "python -m pytest -q tests/unit"): "the unit tests, which this suite runs itself",
+    ("docs/testing.md", "python -m pytest -q tests/e2e/test_resume.py"): "end-to-end tests this suite runs itself",
     ("docs/tracking.md", "pip install -r requirements-mlflow.txt"): INSTALLS,
     ("docs/tracking.md", "pip install mlflow"): "installs the whole mlflow package (for its server), then trains "
                                                 "the whole quick-start against that server",

@@ -1,10 +1,13 @@
-"""Tensor parallelism (mingpt/parallel/tensor_parallel.py) against one process: the row permutation of the fused q, k,
-v projection, and a torchrun launch of tests/workers/tp_worker.py (gloo, fp32, no dropout, a 2-3 block GPT of width 64):
+"""Tensor parallelism (mingpt/parallel/tensor_parallel.py) between real processes: one torchrun launch of
+tests/workers/tp_worker.py (2 processes, gloo, fp32, no dropout, a 2-block GPT of width 64) against one process
+(tests/workers/reference.py):
 
-    2 processes  TP 2 trains as one process does (clipping engaged, the tie restored: undone, the weights drift 10x
-                 past the tolerance), and so does a GPT with every option of model.py on; pipeline-stage copies;
-                 the degree refused in one line; a TP 2 checkpoint in canonical order that this process loads
-                 alone, and the reverse; bf16 autocast + torch.compile
+    TP 2 trains as one process does: losses, each step's gradients, the weights after SGD steps (clipping engaged,
+    the tie restored: undone, the weights drift thousands of times past the tolerance), and so does a GPT with every
+    option of model.py on; pipeline-stage copies; the degree refused in one line; a TP 2 checkpoint (AdamW's state)
+    in canonical order that this process loads alone, and the reverse; bf16 autocast + torch.compile
+
+The row permutation and the state conversions on full tensors, in this process: tests/unit/test_tensor_parallel.py.
 FSDP2 x TP on 4 processes is tested through the real Trainer in tests/e2e/test_layouts.py (the worker still runs it:
 `torchrun --standalone --nproc_per_node=4 tests/workers/tp_worker.py OUT`).
 
@@ -23,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from reference import GRADIENT_TOLERANCE, LOSS_TOLERANCE, WEIGHT_TOLERANCE  # why these: reference.py
 from support import PROJECT_DIR, TORCHRUN, standalone, subprocess_env
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -44,8 +48,9 @@ from tp_worker import (
 
 from mingpt.compat import dcp_alone
 
-TOLERANCE = 1e-4  # fp32 after 5 AdamW steps: TP sums in another order (measured ~3e-5)
-LOSS_TOLERANCE = 1e-5  # measured ~5e-7
+# One AdamW step from the same weights and moments (a checkpoint loaded either way): its moments damp the rounding of
+# the new gradients (measured <= 1.1e-6 under the avx512, avx2 and default kernels)
+NEXT_STEP_TOLERANCE = 1e-4
 WORKER = PROJECT_DIR / "tests" / "workers" / "tp_worker.py"
 
 
@@ -95,10 +100,12 @@ def test_tensor_parallel_trains_as_one_process_does(two):
     assert all(norm > MAX_NORM for norm in tp["norms"]), tp["norms"]  # clipping engaged at every step
     assert tp["first_gradient_max_difference"] < 1e-6
     assert max(abs(a - b) for a, b in zip(tp["losses"], tp["expected_losses"])) < LOSS_TOLERANCE
-    assert tp["max_weight_difference"] < TOLERANCE
+    assert tp["gradient_diff"] < GRADIENT_TOLERANCE
+    assert tp["moved"] > 1000 * WEIGHT_TOLERANCE  # the steps moved the weights far past the tolerance
+    assert tp["max_weight_difference"] < WEIGHT_TOLERANCE
     # The comparison sees a lost tie: the same run with lm_head's copy left separate (as parallelize_module leaves
-    # it) ends far outside the tolerance (measured 8.6e-2; the first gradients 5e-2 apart).
-    assert tp["untied_max_weight_difference"] > 10 * TOLERANCE
+    # it) ends far outside the tolerance (measured 4.4e-3; the first gradients 5e-2 apart).
+    assert tp["untied_max_weight_difference"] > 1000 * WEIGHT_TOLERANCE
     assert tp["tied"] and tp["all_dtensors"]
     assert sorted(tp["permuted"]) == [f"transformer.h.{i}.attn.c_attn.{kind}" for i in (0, 1)
                                       for kind in ("bias", "weight")]
@@ -106,12 +113,14 @@ def test_tensor_parallel_trains_as_one_process_does(two):
 
 def test_every_model_option_at_once_trains_as_one_process_does(two):
     """Rotary positions, RMSNorm on sequence shards, q/k norm, ReLU squared, the soft cap on split logits and an
-    untied head split over the vocabulary on its own (AdamW eps 1e-6 in this case: tp_worker.OPTIONS_EPS)."""
+    untied head split over the vocabulary on its own."""
     options = two.case("options")
     assert not options["tied"] and options["head_placements"] == "(Shard(dim=0),)" and options["norm"] == "RMSNorm"
     assert options["first_gradient_max_difference"] < 1e-6
     assert max(abs(a - b) for a, b in zip(options["losses"], options["expected_losses"])) < LOSS_TOLERANCE
-    assert options["max_weight_difference"] < TOLERANCE
+    assert options["gradient_diff"] < GRADIENT_TOLERANCE
+    assert options["moved"] > 1000 * WEIGHT_TOLERANCE
+    assert options["max_weight_difference"] < WEIGHT_TOLERANCE
 
 
 def test_pipeline_stage_copies_take_tensor_parallelism(two):
@@ -138,14 +147,14 @@ def test_tensor_parallel_checkpoint_loads_in_one_process(two):
     assert_bitwise(full_state(model.state_dict(), {}), saved["weights"])
     assert_bitwise(full_moments(get_optimizer_state_dict(model, optimizer), {}), saved["moments"])
     train(model, optimizer, config, range(STEPS, STEPS + 1), parallel_loss=False)  # the step the TP run took next
-    assert max_difference(full_state(model.state_dict(), {}), saved["next_weights"]) < TOLERANCE
+    assert max_difference(full_state(model.state_dict(), {}), saved["next_weights"]) < NEXT_STEP_TOLERANCE
 
 
 def test_one_process_checkpoint_loads_into_tensor_parallel(two):
     dcp_case = two.case("dcp")
     assert dcp_case["loaded_weights_equal"] and dcp_case["loaded_moments_equal"] and dcp_case["still_tied"]
     assert dcp_case["loaded_full_weights_equal"]  # and from a single-file snapshot's full tensors
-    assert dcp_case["next_step_max_difference"] < TOLERANCE
+    assert dcp_case["next_step_max_difference"] < NEXT_STEP_TOLERANCE
 
 
 def test_compiled_bf16_tensor_parallel_trains(two):

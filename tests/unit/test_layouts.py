@@ -1,13 +1,7 @@
-"""Tensor, pipeline and hybrid layouts on one device mesh, through the real Trainer and the real CLI (torchrun, gloo).
-
-Two launches of tests/workers/layout_worker.py (2 and 4 processes) check every supported layout three ways: 6 steps end
-with the weights one process reaches on the same global batches (fp32, dropout 0, clipping engaged; the tolerance,
-1e-4, is far below what a real fault gives: untied embeddings 4.5e-2, an unpermuted q/k/v 0.16, a pipeline's tied
-gradient left unsummed, tests/e2e/test_pipeline.py); a run resumed from its step-3 snapshot ends bit-for-bit equal; and
-the snapshot loads bit-for-bit into the next layout of the list. The 2-process launch also trains DDP, FSDP, TP
-and PP with Muon (tolerance: MUON_TOLERANCE). Then the survey's hybrid example through the CLI:
-2 pipeline stages x 2 replicas on 4 processes, a worker SIGKILLed, the job resumed by torchrun to the uninterrupted
-run's weights, its snapshot resumed by one process and by FSDP on 2. Refused settings: one line each."""
+"""Layouts on one device mesh (mingpt/parallel/layout.py), in this process: how parallel_config's degrees resolve for
+a world size (the unset ones take the rest), and the untested products refused in one line. Every layout trained
+through the real Trainer between torchrun processes, and the survey's hybrid example through the CLI:
+tests/e2e/test_layouts.py; the layouts the CLI refuses: tests/e2e/test_bad_input.py."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from reference import ALL_OPTIONS
 
 from mingpt import compat
 from mingpt.checkpoint import store as snap
@@ -24,12 +25,15 @@ from mingpt.optim import OptimizerConfig, build_optimizer, decay_groups
 from model import GPT, GPTConfig
 
 VOCAB, BLOCK = 65, 16
-# What each option is set to when it is "on" (the defaults are today's GPT-2)
-ON = {"positions": "rotary", "norm": "rmsnorm", "activation": "relu2", "qk_norm": True, "tie_embeddings": False,
-      "logit_softcap": 2.0, "zero_init_proj": True, "rope_base": 500.0, "bigram_embedding": True}
-ALL = {name: value for name, value in ON.items() if name != "rope_base"}
+# What each option is set to when it is "on" (the defaults are today's GPT-2): every option at once is the table the
+# tensor- and pipeline-parallel workers train (tests/workers/reference.py), rope_base (rotary's setting) besides
+ALL = ALL_OPTIONS
+ON = {**ALL_OPTIONS, "rope_base": 500.0}
 NEW_FIELDS = (*snap.OPTION_FIELDS, "zero_init_proj")
-# weights_sha256 of tiny(seed 0) built by model.py before the options existed (torch 2.13's CPU generator)
+# weights_sha256 of tiny(seed 0) built by model.py before the options existed (torch 2.13's CPU generator, through
+# its vectorised normal_: the AVX2 and AVX512 kernels draw the same bits, the scalar one, ATEN_CPU_CAPABILITY=default
+# or a CPU without AVX2, others)
+DIGEST_KERNELS = ("AVX2", "AVX512")
 TODAYS_DIGESTS = {
     "plain": "4da7a080e1aa2cb4d12e109c8a0c599bf48c1b9726267c405412684e1932660b",
     "bias_matmul": "0d574e4a9208f0115bb8a8caa813afa3ad24e71d0ef5a940e3ff96496c6f121a",
@@ -65,7 +69,8 @@ def moved_off_init(model: GPT) -> GPT:
 @pytest.mark.parametrize("name, settings", [("plain", {}), ("bias_matmul", dict(bias=True, attention="matmul"))])
 def test_the_defaults_build_todays_gpt_to_the_bit(name, settings):
     gpt = tiny(**settings)
-    assert snap.weights_sha256(gpt.state_dict()) == TODAYS_DIGESTS[name]
+    if torch.backends.cpu.get_cpu_capability() in DIGEST_KERNELS:
+        assert snap.weights_sha256(gpt.state_dict()) == TODAYS_DIGESTS[name]
     assert "transformer.wpe.weight" in gpt.state_dict() and gpt.lm_head.weight is gpt.transformer.wte.weight
     norms = [module for name, module in gpt.named_modules() if name.split(".")[-1].startswith("ln_")]
     assert len(norms) == 5 and all(type(module) is nn.LayerNorm for module in norms)

@@ -1,11 +1,7 @@
-"""Several optimizers in one run (mingpt.optim): the container, the schedules, Muon and AdamW side by side.
-
-In-process: the groups Muon and AdamW get, the schedule as a factor of each group's own peak, Muon's momentum
-warm-up, MeshMuon on plain tensors being torch's Muon bit for bit. One 2-process launch of tests/workers/muon_worker.py:
-MeshMuon on sharded matrices against torch's Muon on the whole ones (and the negative control: torch's Muon on
-the pieces). Muon under DDP and FSDP on 2 processes with a worker SIGKILLed and the job resumed bit for bit: the
-kill-and-resume tests of tests/e2e/test_resume.py and tests/e2e/test_fsdp_ranks.py train with Muon where torch has it.
-"""
+"""Several optimizers in one run (mingpt.optim), in this process: the groups Muon and AdamW get, the schedule as a
+factor of each group's own peak, Muon's momentum warm-up, MeshMuon on plain tensors being torch's Muon bit for bit,
+the choices checked in one line. MeshMuon on sharded matrices between torchrun processes:
+tests/e2e/test_layouts.py; the CLI's refusal on a torch without Muon: tests/e2e/test_muon.py."""
 
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from pp_worker import ALL_OPTIONS, build
+from pp_worker import build
+from reference import ALL_OPTIONS
 
 from mingpt.errors import UsageError
 from mingpt.parallel.pipeline import (

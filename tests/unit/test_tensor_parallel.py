@@ -1,16 +1,7 @@
-"""Tensor parallelism (mingpt/parallel/tensor_parallel.py) against one process: the row permutation of the fused q, k,
-v projection, and a torchrun launch of tests/workers/tp_worker.py (gloo, fp32, no dropout, a 2-3 block GPT of width 64):
-
-    2 processes  TP 2 trains as one process does (clipping engaged, the tie restored: undone, the weights drift 10x
-                 past the tolerance), and so does a GPT with every option of model.py on; pipeline-stage copies;
-                 the degree refused in one line; a TP 2 checkpoint in canonical order that this process loads
-                 alone, and the reverse; bf16 autocast + torch.compile
-FSDP2 x TP on 4 processes is tested through the real Trainer in tests/e2e/test_layouts.py (the worker still runs it:
-`torchrun --standalone --nproc_per_node=4 tests/workers/tp_worker.py OUT`).
-
-~25 s on 2 cores, plus 10-25 s for the compiled case (inductor, cold cache): `pytest -k "not compiled"` leaves it out
-of the 2-process launch.
-"""
+"""Tensor parallelism (mingpt/parallel/tensor_parallel.py) in this process: the row permutation that gives each rank
+the q, k and v rows of its own heads, and the conversions of full state dicts (weights and AdamW's moments) between
+canonical and tensor-parallel order. TP between real torchrun processes, against one process:
+tests/e2e/test_tensor_parallel.py."""
 
 from __future__ import annotations
 

@@ -1,17 +1,21 @@
 """One torchrun launch, several layouts (tests/e2e/test_layouts.py): for each, the real Trainer as main.build_trainer
 builds it, on one process group.
 
-    torchrun --standalone --nproc_per_node=4 tests/workers/layout_worker.py OUT_DIR LAYOUT [LAYOUT ...]
+    torchrun --standalone --nproc_per_node=4 tests/workers/layout_worker.py OUT_DIR LAYOUT|CHECK [...]
 
 For each LAYOUT (a name in LAYOUTS: its parallel_config and strategy):
 1. equivalence: 6 optimizer steps (fp32, dropout 0, clipping engaged) end with the weights of one process trained on
-   the same global batches (a trainer of its own in every process, no group); the largest difference is reported;
+   the same global batches (reference.py, in every process, no group: the model, optimizers, learning-rate schedule
+   and batches main.build_trainer makes for one process, stepped by the reference's own loop; one per data-parallel
+   degree and optimizer, shared by the layouts that have them); the largest difference is reported;
 2. exact resume: the step-6 snapshot deleted, a new trainer resumes from step 3 and must end with the same digest;
 3. across layouts: the step-6 snapshot loaded by a trainer of the NEXT layout in the list (of those with the same
    optimizer: names ending in "muon" train with Muon and AdamW, the others with AdamW) must hold the same
    weights (digest after restoring), and that trainer takes a step from it; read alone, as snapshot.py and sample.py
    read it, it has the same digest too.
-Global rank 0 writes OUT_DIR/result.json after each layout.
+A CHECK (a name in CHECKS) is a check of its own that shares the launch, run first: "mesh_muon", MeshMuon on
+sharded matrices against torch's Muon on whole ones (muon_worker.py). Global rank 0 writes OUT_DIR/result.json after
+each.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project's root
 
+import itertools
 import json
 import shutil
 
+import muon_worker
 import torch
 import torch.distributed as dist
+from reference import Reference
 
 import main
 from char_dataset import CharCorpus, DataConfig
@@ -68,6 +75,9 @@ MUON = OptimizerConfig(name="muon", learning_rate=1e-2, warmup_steps=0, min_lr=1
 ADAMW = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3)
 
 
+CHECKS = {"mesh_muon": muon_worker.compare}  # name: a collective returning its figures
+
+
 def optimizer_of(name: str) -> OptimizerConfig:
     return MUON if name.endswith("muon") else ADAMW
 
@@ -96,12 +106,25 @@ def digest(trainer: Trainer) -> str:
     return weights_sha256_of(trainer.parallel.whole_tensors())
 
 
+REFERENCES: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # (dp, optimizer name): the weights it ends with
+
+
 def reference(dp: int, folder: Path, optimizer: str) -> dict[str, torch.Tensor]:
-    """One process trained on the global batches of `dp` data-parallel ranks (no group: every rank repeats it)."""
-    trainer = build("ddp", DistContext.single_process(torch.device("cpu")), folder, batch_size=BATCH * dp,
-                    optimizer=optimizer)
-    trainer.fit()
-    return whole_weights(trainer)
+    """The weights after STEPS steps of one process on the global batches of `dp` data-parallel ranks, with the
+    optimizer of layout `optimizer` (no group: every rank trains it); trained once per (dp, optimizer)."""
+    key = (dp, optimizer_of(optimizer).name)
+    if key not in REFERENCES:
+        trainer = build("ddp", DistContext.single_process(torch.device("cpu")), folder, batch_size=BATCH * dp,
+                        optimizer=optimizer)
+
+        def schedule(step: int) -> None:  # what Trainer.train_step sets before each step
+            trainer.optimizers.schedule(step, trainer.lr_schedule(step, trainer.total_steps))
+
+        ref = Reference(trainer.parallel.modules[0], trainer.optimizers, trainer.cfg.grad_norm_clip, schedule,
+                        keep_gradients=False)
+        ref.train(trainer.split(windows) for windows in itertools.islice(trainer.epoch_batches(), STEPS))
+        REFERENCES[key] = ref.state()
+    return REFERENCES[key]
 
 
 def check(name: str, following: str, ctx: DistContext, out: Path) -> dict:
@@ -134,7 +157,12 @@ def check(name: str, following: str, ctx: DistContext, out: Path) -> dict:
 def main_worker(out: Path, names: list[str]) -> None:
     ctx = setup_distributed()
     results = {}
-    for index, name in enumerate(names):
+    for name in [name for name in names if name in CHECKS]:
+        results[name] = CHECKS[name]()
+        if ctx.is_main:
+            (out / "result.json").write_text(json.dumps(results, indent=1))
+    names = [name for name in names if name not in CHECKS]
+    for name in names:
         same_optimizer = [other for other in names if optimizer_of(other) is optimizer_of(name)]
         results[name] = check(name, same_optimizer[(same_optimizer.index(name) + 1) % len(same_optimizer)], ctx, out)
         if ctx.is_main:

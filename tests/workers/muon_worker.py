@@ -1,12 +1,15 @@
-"""Muon on DTensors (mingpt.optim.MeshMuon) against torch's Muon on whole tensors, given bit-identical gradients:
+"""Muon on DTensors (mingpt.optim.MeshMuon) against torch's Muon on whole tensors, given bit-identical gradients. Run
+as the check "mesh_muon" of the 2-process launch of tests/workers/layout_worker.py (tests/e2e/test_layouts.py), or
+alone:
 
     torchrun --standalone --nproc_per_node=2 tests/workers/muon_worker.py OUT_DIR
 
 Two 2-D matrices (one taller than wide, one wider than tall: Muon transposes the first) are placed as FSDP2 places
 them (rows sharded) and as tensor parallelism does (columns sharded), each given the same random gradients, in
-turn, for 3 steps with weight decay and Nesterov momentum. Written by global rank 0 to OUT_DIR/result.json: the
-largest difference of the weights and of the momentum from torch's Muon on the whole matrices, for MeshMuon and,
-as the negative control, for torch's Muon given the DTensors directly (it orthogonalises the pieces).
+turn, for 3 steps with weight decay and Nesterov momentum. The figures (`compare`; alone, written by global rank 0 to
+OUT_DIR/result.json): the largest difference of the weights and of the momentum from torch's Muon on the whole
+matrices, for MeshMuon and, as the negative control, for torch's Muon given the DTensors directly (it orthogonalises
+the pieces).
 """
 
 from __future__ import annotations
@@ -49,13 +52,19 @@ def run(placement: Shard, optimizer_class: type, mesh) -> tuple[float, float]:
     return weights, momentum
 
 
-def main(out: Path) -> None:
-    dist.init_process_group("gloo")
+def compare() -> dict[str, tuple[float, float]]:
+    """Collective over the whole process group: the figures of each placement, for MeshMuon and torch's Muon."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     results = {}
     for label, placement in (("rows", Shard(0)), ("columns", Shard(1))):
         results[f"mesh_muon_{label}"] = run(placement, MeshMuon, mesh)
         results[f"torch_muon_on_pieces_{label}"] = run(placement, torch.optim.Muon, mesh)
+    return results
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    results = compare()
     if dist.get_rank() == 0:
         (out / "result.json").write_text(json.dumps(results, indent=1))
     dist.barrier()

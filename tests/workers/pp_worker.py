@@ -1,22 +1,23 @@
 """Run under torchrun by tests/e2e/test_pipeline.py: pipeline parallelism (mingpt/parallel/pipeline.py) between real
-processes, against one process training the same GPT on the same global batches.
+processes, against one process training the same GPT on the same global batches (reference.py).
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 tests/workers/pp_worker.py OUT_DIR
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 tests/workers/pp_worker.py OUT_DIR
 
-Every process first trains the reference (the whole GPT, one process's work) itself; each case then trains STEPS AdamW
-steps with clipping engaged and compares per-step losses, gradient norms and final weights with it, and evaluates
-(before training and mid-run) through the schedule's eval() (where pipeline.py uses it) and through the pipeline's own
-forward pass. Two processes (PP 2): 1F1B, GPipe, Interleaved1F1B, uneven stages, and 1F1B with the tied gradients left
-unsummed (must differ); an Interleaved1F1B state saved with torch.distributed.checkpoint and resumed under 1F1B;
-evaluations of batches of several shapes; the one-line errors; 1F1B with every model option of model.py on (rotary
-positions: no wpe on the first stage; an untied head: the last stage's own, no tied sum). Four processes: PP 4 (1F1B,
-GPipe); PP 2 x FSDP2 2 (each schedule); PP 2 x DDP 2 (1F1B and GPipe, with find_unused_parameters; plain DDP refused);
-PP 2 x FSDP2 replicas 2 (a 2-D mesh whose shard dimension is 1; each schedule); and a PP 2 x FSDP 2 state saved with
-torch.distributed.checkpoint after 2 steps (OUT_DIR/dcp), with the weights at the save and after the next step
-(OUT_DIR/next.pt) for the test to load into one process; gradients accumulated over two steps with an evaluation between
-them against the same without. Rank 0 writes OUT_DIR/result.json. On torch 2.7 the cases pipeline.py refuses on a CPU
-there (1F1B, Interleaved1F1B) and FSDP2 replicas are left out.
+Every process first trains the reference (the whole GPT, one process's work) itself; each case then trains STEPS SGD
+steps (reference.sgd: the weights after them are a well-conditioned function of the gradients) with clipping engaged
+and compares per-step losses, gradient norms, gradients (before clipping and the optimizer) and final weights with it,
+and evaluates (before training and mid-run) through the schedule's eval() (where pipeline.py uses it) and through the
+pipeline's own forward pass. Two processes (PP 2): 1F1B, GPipe, Interleaved1F1B, uneven stages, and 1F1B with the
+tied gradients left unsummed (must differ); an Interleaved1F1B state saved with torch.distributed.checkpoint and
+resumed under 1F1B; evaluations of batches of several shapes; the one-line errors; 1F1B with every model option of
+model.py on (rotary positions: no wpe on the first stage; an untied head: the last stage's own, no tied sum). Four
+processes: PP 4 (1F1B, GPipe); PP 2 x FSDP2 2 (each schedule); PP 2 x DDP 2 (1F1B and GPipe, with
+find_unused_parameters; plain DDP refused); PP 2 x FSDP2 replicas 2 (a 2-D mesh whose shard dimension is 1; each
+schedule); and a PP 2 x FSDP 2 state saved with torch.distributed.checkpoint after 2 steps (OUT_DIR/dcp), with the
+weights at the save and after the next step (OUT_DIR/next.pt) for loading into one process; gradients accumulated over
+two steps with an evaluation between them against the same without. Rank 0 writes OUT_DIR/result.json. On torch 2.7
+the cases pipeline.py refuses on a CPU there (1F1B, Interleaved1F1B) and FSDP2 replicas are left out.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from reference import ALL_OPTIONS, Reference, relative_difference, sgd  # noqa: E402
 
 from mingpt.compat import TORCH  # noqa: E402
 from mingpt.errors import UsageError  # noqa: E402
-from mingpt.optim import Optimizers, decay_groups  # noqa: E402
+from mingpt.optim import Optimizers  # noqa: E402
 from mingpt.parallel.pipeline import (  # noqa: E402
     SCHEDULE_EVAL_TORCH,
     GPTPipeline,
@@ -45,16 +47,10 @@ from mingpt.parallel.pipeline import (  # noqa: E402
 )
 from model import GPT, GPTConfig  # noqa: E402
 
-BATCH, STEPS = 8, 5  # global batch (sequences); AdamW steps
+BATCH, STEPS = 8, 5  # global batch (sequences); optimizer steps
 EVAL_AT = (0, 3)  # evaluate before these steps: before any training (a mode switch first), and mid-run
 MAX_NORM = 0.05  # below every step's gradient norm here (the result reports them): clipping engages each step
-LR, WEIGHT_DECAY = 1e-2, 0.1
 EVAL_STEP = 100  # the evaluation batch's seed
-
-
-# Every model option at once (model.py), the soft cap tight enough to bend the logits
-ALL_OPTIONS = dict(positions="rotary", norm="rmsnorm", activation="relu2", qk_norm=True, tie_embeddings=False,
-                   logit_softcap=1.0, zero_init_proj=True, bigram_embedding=True)
 
 
 def tiny_config(**options: Any) -> GPTConfig:
@@ -68,7 +64,8 @@ def build(seed: int = 0, **options: Any) -> GPT:
 
 
 def optimizer_of(module: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(decay_groups(module.named_parameters(), WEIGHT_DECAY), lr=LR)
+    """Every case's (and the reference's): weights after its steps are compared, so SGD (reference.py says why)."""
+    return sgd(module)
 
 
 def batch(step: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,32 +76,16 @@ def batch(step: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Ten
     return tokens[rows, :-1], tokens[rows, 1:]
 
 
-def reference_step(model: GPT, optimizer: torch.optim.Optimizer, step: int) -> tuple[float, float]:
-    """One process's training step on the global batch: (loss, gradient norm before clipping)."""
-    _, loss = model(*batch(step))
-    loss.backward()
-    norm = nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.item(), norm.item()
-
-
-def reference(**options: Any) -> dict[str, Any]:
-    """The whole GPT (with model `options`) trained in this process: losses, norms, eval losses before the EVAL_AT
-    steps, final weights."""
+def reference(**options: Any) -> Reference:
+    """The whole GPT (with model `options`) trained STEPS steps in this process; `evals`: its eval losses before the
+    EVAL_AT steps."""
     model = build(**options)
-    optimizer = optimizer_of(model)
-    losses, norms, evals = [], [], []
+    ref = Reference(model, optimizer_of(model), MAX_NORM)
     for step in range(STEPS):
         if step in EVAL_AT:
-            with torch.no_grad():
-                evals.append(model(*batch(EVAL_STEP))[1].item())
-        loss, norm = reference_step(model, optimizer, step)
-        losses.append(loss)
-        norms.append(norm)
-    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "evals": evals, "weights": weights,
-            "keys": sorted(model.state_dict())}
+            ref.evaluate(*batch(EVAL_STEP))
+        ref.step(*batch(step))
+    return ref
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
@@ -130,10 +111,19 @@ def world_max(value: float) -> float:
     return total.item()
 
 
-def weight_diff(pipe: GPTPipeline, ref: dict[str, Any]) -> float:
+def weight_diff(pipe: GPTPipeline, ref: Reference) -> float:
     """Max |pipeline - reference| over every parameter of every rank (collective)."""
-    diffs = [(full(p.detach()) - ref["weights"][name]).abs().max().item() for name, p in pipe.named_parameters()]
+    weights = ref.parameters()
+    diffs = [(full(p.detach()) - weights[name]).abs().max().item() for name, p in pipe.named_parameters()]
     return world_max(max(diffs))
+
+
+def gradient_diff(pipe: GPTPipeline, expected: dict[str, torch.Tensor]) -> float:
+    """The largest difference of a gradient of any rank (tied copies summed where the step summed them) from the
+    reference's, relative to that gradient's largest entry (reference.relative_difference; collective)."""
+    grads = {name: full(p.grad) if p.grad is not None else torch.zeros_like(expected[name])
+             for name, p in pipe.named_parameters()}
+    return world_max(relative_difference(grads, expected))
 
 
 def state_keys(pipe: GPTPipeline) -> list[str]:
@@ -157,42 +147,47 @@ def evaluate_both(pipe: GPTPipeline, rows: slice, holders: int) -> dict[str, Opt
 # ------------------------------------------------------------------------------------------------------- cases
 
 
-def train_step(pipe: GPTPipeline, optimizers: Optimizers, step: int, rows: slice, dp: int,
-               sync: bool = True) -> tuple[float, float]:
+def train_step(pipe: GPTPipeline, optimizers: Optimizers, step: int, rows: slice, dp: int, sync: bool = True,
+               expected: Optional[dict[str, torch.Tensor]] = None) -> tuple[float, float, Optional[float]]:
     """One optimizer step on this rank's rows of the global batch `step`: (the loss over every data-parallel rank,
-    the gradient norm before clipping)."""
+    the gradient norm before clipping, and with the reference's gradients of the step `expected` the gradients'
+    difference from them: gradient_diff)."""
     loss = pipe.step(*batch(step, rows))
     if sync:
         pipe.sync_tied_gradients()
+    grad_diff = None if expected is None else gradient_diff(pipe, expected)
     norm = pipe.clip_grad_norm_(MAX_NORM).item()
     optimizers.step()
     optimizers.zero_grad()
-    return world_mean(loss, dp), norm
+    return world_mean(loss, dp), norm, grad_diff
 
 
-def train(pipe: GPTPipeline, ref: dict[str, Any], dp: int, dp_rank: int, sync: bool = True) -> dict[str, Any]:
+def train(pipe: GPTPipeline, ref: Reference, dp: int, dp_rank: int, sync: bool = True) -> dict[str, Any]:
     """STEPS steps of the global batch (this data-parallel rank's rows), evaluated before the EVAL_AT steps; the
-    figures (eval_diff: the largest difference from the reference over the evaluations, by path)."""
+    figures (eval_diff: the largest difference from the reference over the evaluations, by path; gradient_diff: the
+    largest over the steps)."""
     optimizers = Optimizers([(stage, optimizer_of(stage)) for stage in pipe.stages])
     per_rank = BATCH // dp
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    losses, norms, evals = [], [], []
+    losses, norms, grad_diffs, evals = [], [], [], []
     start = time.perf_counter()
     for step in range(STEPS):
         if step in EVAL_AT:
             evals.append(evaluate_both(pipe, rows, dp))
-        loss, norm = train_step(pipe, optimizers, step, rows, dp, sync)
+        loss, norm, grad_diff = train_step(pipe, optimizers, step, rows, dp, sync, ref.gradients[step])
         losses.append(loss)
         norms.append(norm)
+        grad_diffs.append(grad_diff)
     seconds = time.perf_counter() - start
     return {"seconds": round(seconds, 2), "losses": losses, "norms": norms,
-            "loss_diff": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
-            "norm_diff": max(abs(a - b) for a, b in zip(norms, ref["norms"])),
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, ref.losses)),
+            "norm_diff": max(abs(a - b) for a, b in zip(norms, ref.norms)),
+            "gradient_diff": max(grad_diffs),
             "weight_diff": weight_diff(pipe, ref),
             "eval_diff": {label: None if evals[0][label] is None else
-                          max(abs(found[label] - expected) for found, expected in zip(evals, ref["evals"]))
+                          max(abs(found[label] - expected) for found, expected in zip(evals, ref.evals))
                           for label in evals[0]},
-            "keys_match": state_keys(pipe) == ref["keys"]}
+            "keys_match": state_keys(pipe) == sorted(ref.model.state_dict())}
 
 
 def offered(schedule: str) -> bool:
@@ -200,7 +195,7 @@ def offered(schedule: str) -> bool:
     return TORCH >= (2, 8) or schedule == "GPipe"
 
 
-def run_case(name: str, mesh: Any, dp: int, schedule: str, ref: dict[str, Any], results: dict[str, Any],
+def run_case(name: str, mesh: Any, dp: int, schedule: str, ref: Reference, results: dict[str, Any],
              prepare: Optional[Callable[[nn.Module], nn.Module]] = None, sync: bool = True,
              model: Optional[dict[str, Any]] = None, **options: Any) -> None:
     """Case `name`: the GPT (with `model` options; `ref` trained the same one) through build_pipeline(**options)."""
@@ -222,7 +217,7 @@ def error_of(action: Callable[[], Any]) -> Optional[str]:
     return None
 
 
-def two_processes(ref: dict[str, Any], results: dict[str, Any], out: Path) -> None:
+def two_processes(ref: Reference, results: dict[str, Any], out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
@@ -252,17 +247,16 @@ def evaluation_shapes(mesh: Any) -> dict[str, Any]:
     pipe = build_pipeline(build(), mesh, torch.device("cpu"), schedule, microbatches=4)
     optimizers = Optimizers([(stage, optimizer_of(stage)) for stage in pipe.stages])
     model = build()
-    optimizer = optimizer_of(model)
+    ref = Reference(model, optimizer_of(model), MAX_NORM, keep_gradients=False)
     train_step(pipe, optimizers, 0, slice(None), 1)
-    reference_step(model, optimizer, 0)
+    ref.step(*batch(0))
     diffs = []
     for rows in (slice(0, 8), slice(0, 4), slice(0, 6), slice(0, 8)):
-        with torch.no_grad():
-            expected = model(*batch(EVAL_STEP, rows))[1].item()
+        expected = ref.evaluate(*batch(EVAL_STEP, rows))
         diffs.append(abs(world_mean(pipe.evaluate(*batch(EVAL_STEP, rows)), 1) - expected))
     train_step(pipe, optimizers, 1, slice(None), 1)
-    reference_step(model, optimizer, 1)
-    return {"eval_diffs": diffs, "weight_diff": weight_diff(pipe, {"weights": dict(model.named_parameters())}),
+    ref.step(*batch(1))
+    return {"eval_diffs": diffs, "weight_diff": weight_diff(pipe, ref),
             "other_shape": error_of(lambda: pipe.step(*batch(2, slice(0, 4))))}
 
 
@@ -284,7 +278,7 @@ def replicate_ddp(group: Any, **options: Any) -> Callable[[nn.Module], nn.Module
     return lambda stage: DistributedDataParallel(stage, process_group=group, **options)
 
 
-def four_processes(ref: dict[str, Any], results: dict[str, Any], out: Path) -> None:
+def four_processes(ref: Reference, results: dict[str, Any], out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     deep = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))  # middle stages; the tie's own group (new_group)
@@ -350,7 +344,7 @@ def save_and_continue(mesh: Any, out: Path) -> dict[str, Any]:
     dcp.save(pipeline_state(pipe, optimizers), checkpoint_id=str(out / "dcp"))
     seconds = time.perf_counter() - start
     saved = gathered(pipe)
-    loss, _ = train_step(pipe, optimizers, 2, rows, 2)
+    loss, _, _ = train_step(pipe, optimizers, 2, rows, 2)
     after = gathered(pipe)
     if dist.get_rank() == 0:
         torch.save({"saved": saved, "after": after, "loss": loss}, out / "next.pt")
@@ -391,7 +385,7 @@ def pipeline_state(pipe: GPTPipeline, optimizers: Optimizers) -> dict[str, Any]:
     return {"model": model_state_dict(pipe), "optimizer": optimizer_state_dict(pipe, optimizers)}
 
 
-def resume_elsewhere(mesh: Any, ref: dict[str, Any], out: Path) -> Optional[dict[str, Any]]:
+def resume_elsewhere(mesh: Any, ref: Reference, out: Path) -> Optional[dict[str, Any]]:
     """PP 2: 2 steps under Interleaved1F1B (two stages, two optimizers per rank), saved with DCP; loaded into a
     1F1B pipeline built from other weights (one stage per rank), which trains the remaining steps. Its losses and
     final weights against the reference."""
@@ -410,8 +404,10 @@ def resume_elsewhere(mesh: Any, ref: dict[str, Any], out: Path) -> Optional[dict
     dcp.load(state, checkpoint_id=str(out / "dcp_interleaved"))
     load_model_state_dict(second, state["model"])
     load_optimizer_state_dict(second, optimizers, state["optimizer"])
-    losses = [train_step(second, optimizers, step, slice(None), 1)[0] for step in range(2, STEPS)]
-    return {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref["losses"][2:])),
+    figures = [train_step(second, optimizers, step, slice(None), 1, expected=ref.gradients[step])
+               for step in range(2, STEPS)]
+    return {"loss_diff": max(abs(loss - expected) for (loss, _, _), expected in zip(figures, ref.losses[2:])),
+            "gradient_diff": max(grad_diff for _, _, grad_diff in figures),
             "weight_diff": weight_diff(second, ref)}
 
 
@@ -422,14 +418,12 @@ def main() -> None:
     results: dict[str, Any] = {"torch": torch.__version__}
     start = time.perf_counter()
     ref = reference()
-    results["reference"] = ref
     results["reference_seconds"] = round(time.perf_counter() - start, 2)
     if dist.get_world_size() == 2:
         two_processes(ref, results, out)
     else:
         four_processes(ref, results, out)
-    results.pop("reference")
-    results["reference"] = {"losses": ref["losses"], "norms": ref["norms"], "evals": ref["evals"]}
+    results["reference"] = {"losses": ref.losses, "norms": ref.norms, "evals": ref.evals, "moved": ref.moved()}
     dist.barrier()  # before destroying the group: avoids gloo's "terminate called without an active exception"
     if dist.get_rank() == 0:
         (out / "result.json").write_text(json.dumps(results, indent=1))

@@ -1,5 +1,6 @@
 """Run under torchrun by tests/e2e/test_tensor_parallel.py: tensor parallelism (mingpt/parallel/tensor_parallel.py)
-between real processes, against one process training the same model on the same batches.
+between real processes, against one process training the same model on the same batches (reference.py): SGD steps
+(reference.sgd) where weights after steps are compared, AdamW (fused, as a run's) where a state is saved and loaded.
 
     torchrun --standalone --nproc_per_node=2 tests/workers/tp_worker.py OUT_DIR [--compile]
     torchrun --standalone --nproc_per_node=4 tests/workers/tp_worker.py OUT_DIR
@@ -22,7 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -31,6 +32,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from reference import ALL_OPTIONS, Reference, relative_difference, sgd  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     StateDictOptions,
     get_model_state_dict,
@@ -57,12 +59,6 @@ BATCH, STEPS = 4, 5
 MAX_NORM = 0.05  # below every step's gradient norm here (the result reports them): clipping engages each step
 LR, WEIGHT_DECAY = 1e-2, 0.1
 FSDP_TP_CONFIG = dict(bias=False, n_layer=3)  # the 2x2 case's model: without biases, three blocks
-# Every model option at once (model.py), the soft cap tight enough to bend the logits
-ALL_OPTIONS = dict(positions="rotary", norm="rmsnorm", activation="relu2", qk_norm=True, tie_embeddings=False,
-                   logit_softcap=1.0, zero_init_proj=True, bigram_embedding=True)
-# AdamW's eps for them: an untied embedding's gradient is a sum that cancels to ~1e-7 in places, where eps=1e-8 makes
-# AdamW's step a sign of rounding noise (5e-4 apart after 5 steps, the first gradients 5e-8 apart; 2e-5 with 1e-7)
-OPTIONS_EPS = 1e-6
 
 
 def tiny_config(**overrides) -> GPTConfig:
@@ -75,8 +71,9 @@ def build(config: GPTConfig, seed: int = 0) -> GPT:
     return GPT(config)
 
 
-def optimizer_of(model: nn.Module, eps: float = 1e-8) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(decay_groups(model.named_parameters(), WEIGHT_DECAY), lr=LR, fused=True, eps=eps)
+def optimizer_of(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW as a run builds it (fused): the optimizer of the cases that save and load its state."""
+    return torch.optim.AdamW(decay_groups(model.named_parameters(), WEIGHT_DECAY), lr=LR, fused=True)
 
 
 def batch(step: int, config: GPTConfig, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,26 +94,40 @@ def clip(model: nn.Module) -> float:
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, idx: torch.Tensor, targets: torch.Tensor,
-               parallel_loss: bool, amp: bool = False) -> tuple[float, float]:
-    """One step: (loss, gradient norm before clipping)."""
+               parallel_loss: bool, amp: bool = False, permuted: Optional[dict[str, int]] = None,
+               expected: Optional[dict[str, torch.Tensor]] = None) -> tuple[float, float, Optional[float]]:
+    """One step: (loss, gradient norm before clipping, and with the reference's gradients of the step `expected`
+    (collective) the largest relative difference of the gradients, whole and in canonical order, from them)."""
     optimizer.zero_grad(set_to_none=True)
     with loss_parallel_context(parallel_loss):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             _, loss = model(idx, targets)
         loss.backward()
+    grad_diff = None
+    if expected is not None:
+        grads = full_state({name: p.grad for name, p in model.named_parameters()}, permuted or {})
+        grad_diff = relative_difference(grads, expected)
     norm = clip(model)
     optimizer.step()
-    return local_value(loss).item(), norm
+    return local_value(loss).item(), norm, grad_diff
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, config: GPTConfig, steps: range,
-          parallel_loss: bool, rows: slice = slice(None), amp: bool = False) -> dict[str, list[float]]:
-    losses, norms = [], []
-    for step in steps:
-        loss, norm = train_step(model, optimizer, *batch(step, config, rows), parallel_loss, amp)
+          parallel_loss: bool, rows: slice = slice(None), amp: bool = False, permuted: Optional[dict[str, int]] = None,
+          expected: Optional[Reference] = None) -> dict[str, Any]:
+    """`steps` steps of the global batches (these `rows`): losses, norms and, against the `expected` reference's
+    gradients of the same steps (permuted: the rows to put back in canonical order), gradient_diff, the largest."""
+    losses, norms, grad_diffs = [], [], []
+    for index, step in enumerate(steps):
+        loss, norm, grad_diff = train_step(model, optimizer, *batch(step, config, rows), parallel_loss, amp, permuted,
+                                           None if expected is None else expected.gradients[index])
         losses.append(loss)
         norms.append(norm)
-    return {"losses": losses, "norms": norms}
+        grad_diffs.append(grad_diff)
+    figures: dict[str, Any] = {"losses": losses, "norms": norms}
+    if expected is not None:
+        figures["gradient_diff"] = max(grad_diffs)
+    return figures
 
 
 def full_state(state: dict, permuted: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -147,12 +158,12 @@ def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def reference(config: GPTConfig, steps: range, eps: float = 1e-8) -> tuple[GPT, torch.optim.Optimizer, dict]:
+def reference(config: GPTConfig, steps: range, optimizer: Callable[[nn.Module], torch.optim.Optimizer] = sgd,
+              keep_gradients: bool = True) -> Reference:
     """One process: the plain GPT trained on the whole batches (every rank computes it alone, identically)."""
     model = build(config)
-    optimizer = optimizer_of(model, eps)
-    figures = train(model, optimizer, config, steps, parallel_loss=False)
-    return model, optimizer, figures
+    return Reference(model, optimizer(model), MAX_NORM, keep_gradients=keep_gradients).train(
+        batch(step, config) for step in steps)
 
 
 def tensor_parallel_model(config: GPTConfig, mesh: DeviceMesh, seed: int = 0) -> tuple[GPT, dict[str, int]]:
@@ -190,18 +201,19 @@ def untie(model: GPT) -> None:
 def case_tp(mesh: DeviceMesh, out: Path) -> dict:
     """TP 2 against one process, 5 steps; the same with the tie undone, to show that the comparison would see it."""
     config = tiny_config()
-    expected_model, _, expected = reference(config, range(STEPS))
-    expected_weights = full_state(expected_model.state_dict(), {})
+    expected = reference(config, range(STEPS))
+    expected_weights = expected.state()
     model, permuted = tensor_parallel_model(config, mesh)
     result = {"permuted": permuted, "tied": model.lm_head.weight is model.transformer.wte.weight,
               "all_dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
               "first_gradient_max_difference": first_gradient_difference(model, permuted, config)}
-    got = train(model, optimizer_of(model), config, range(STEPS), parallel_loss=True)
-    result.update(expected_losses=expected["losses"], losses=got["losses"], norms=got["norms"])
+    got = train(model, sgd(model), config, range(STEPS), parallel_loss=True, permuted=permuted, expected=expected)
+    result.update(expected_losses=expected.losses, losses=got["losses"], norms=got["norms"],
+                  gradient_diff=got["gradient_diff"], moved=expected.moved())
     result["max_weight_difference"] = max_difference(full_state(model.state_dict(), permuted), expected_weights)
     untied, permuted = tensor_parallel_model(config, mesh)
     untie(untied)
-    train(untied, optimizer_of(untied), config, range(STEPS), parallel_loss=True)
+    train(untied, sgd(untied), config, range(STEPS), parallel_loss=True)
     state = {k: v for k, v in full_state(untied.state_dict(), permuted).items() if k != "lm_head.weight"}
     result["untied_max_weight_difference"] = max_difference(
         state, {k: v for k, v in expected_weights.items() if k != "lm_head.weight"})
@@ -214,17 +226,17 @@ def case_options(mesh: DeviceMesh, out: Path) -> dict:
     the vocabulary on its own (nothing re-tied)."""
     config = tiny_config(**ALL_OPTIONS)
     unzeroed = tiny_config(**{**ALL_OPTIONS, "zero_init_proj": False})  # every gradient non-zero from the first
-    expected_model, _, expected = reference(config, range(STEPS), OPTIONS_EPS)
+    expected = reference(config, range(STEPS))
     model, permuted = tensor_parallel_model(config, mesh)
     result = {"tied": model.lm_head.weight is model.transformer.wte.weight,
               "head_placements": str(model.lm_head.weight.placements),
               "norm": type(model.transformer.ln_f).__name__,
               "first_gradient_max_difference": first_gradient_difference(*tensor_parallel_model(unzeroed, mesh),
                                                                          unzeroed)}
-    got = train(model, optimizer_of(model, OPTIONS_EPS), config, range(STEPS), parallel_loss=True)
-    result.update(expected_losses=expected["losses"], losses=got["losses"])
-    result["max_weight_difference"] = max_difference(full_state(model.state_dict(), permuted),
-                                                     full_state(expected_model.state_dict(), {}))
+    got = train(model, sgd(model), config, range(STEPS), parallel_loss=True, permuted=permuted, expected=expected)
+    result.update(expected_losses=expected.losses, losses=got["losses"], gradient_diff=got["gradient_diff"],
+                  moved=expected.moved())
+    result["max_weight_difference"] = max_difference(full_state(model.state_dict(), permuted), expected.state())
     return result
 
 
@@ -265,7 +277,8 @@ def load_canonical(model: nn.Module, optimizer: torch.optim.Optimizer, permuted:
 
 def one_process_to_tp(config: GPTConfig, mesh: DeviceMesh, out: Path) -> dict:
     """Rank 0 alone saves a one-process state (DCP, no process group); TP 2 loads it and takes the next step."""
-    expected_model, expected_optimizer, _ = reference(config, range(STEPS))
+    expected = reference(config, range(STEPS), optimizer_of, keep_gradients=False)
+    expected_model, expected_optimizer = expected.model, expected.optimizer
     folder = out / "one_process_checkpoint"
     if dist.get_rank() == 0:
         state = {"model": get_model_state_dict(expected_model),
@@ -285,7 +298,7 @@ def one_process_to_tp(config: GPTConfig, mesh: DeviceMesh, out: Path) -> dict:
         "loaded_full_weights_equal": full_tensors_load(config, mesh, expected_model),
     }
     train(model, optimizer, config, range(STEPS, STEPS + 1), parallel_loss=True)
-    train(expected_model, expected_optimizer, config, range(STEPS, STEPS + 1), parallel_loss=False)
+    expected.step(*batch(STEPS, config))
     result["next_step_max_difference"] = max_difference(full_state(model.state_dict(), permuted),
                                                         full_state(expected_model.state_dict(), {}))
     return result
@@ -329,8 +342,8 @@ def case_compile(mesh: DeviceMesh, out: Path) -> dict:
     seconds = time.perf_counter() - started
     with torch.autocast("cpu", dtype=torch.bfloat16), loss_parallel_context(True):
         logits_dtype = str(model(batch(0, config)[0])[0].dtype)
-    _, _, expected = reference(config, range(3))
-    return {"losses": got["losses"], "expected_losses": expected["losses"], "seconds": seconds,
+    expected = reference(config, range(3), optimizer_of, keep_gradients=False)
+    return {"losses": got["losses"], "expected_losses": expected.losses, "seconds": seconds,
             "logits_dtype": logits_dtype}
 
 
@@ -340,21 +353,23 @@ def case_fsdp_tp(mesh: DeviceMesh, out: Path) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     config = tiny_config(**FSDP_TP_CONFIG)
-    expected_model, _, expected = reference(config, range(STEPS))
+    expected = reference(config, range(STEPS))
     model, permuted = tensor_parallel_model(config, mesh["tp"])
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    optimizer = optimizer_of(model)
+    optimizer = sgd(model)
     half = BATCH // mesh["dp"].size()
     rows = slice(mesh["dp"].get_local_rank() * half, (mesh["dp"].get_local_rank() + 1) * half)
-    got = train(model, optimizer, config, range(STEPS), parallel_loss=True, rows=rows)
+    got = train(model, optimizer, config, range(STEPS), parallel_loss=True, rows=rows, permuted=permuted,
+                expected=expected)
     weights = full_state(model.state_dict(), permuted)
     losses = torch.tensor(got["losses"])  # each data-parallel rank's is that of its half: the mean is the batch's
     dist.all_reduce(losses, group=mesh["dp"].get_group())
-    result = {"losses": (losses / mesh["dp"].size()).tolist(), "expected_losses": expected["losses"],
+    result = {"losses": (losses / mesh["dp"].size()).tolist(), "expected_losses": expected.losses,
               "norms": got["norms"], "placements": str(model.transformer.h[0].attn.c_attn.weight.placements),
-              "max_weight_difference": max_difference(weights, full_state(expected_model.state_dict(), {}))}
+              "gradient_diff": got["gradient_diff"], "moved": expected.moved(),
+              "max_weight_difference": max_difference(weights, expected.state())}
     moments = full_moments(get_optimizer_state_dict(model, optimizer), permuted)
     dcp.save(canonical_checkpoint(model, optimizer, permuted), checkpoint_id=str(out / "fsdp_tp_checkpoint"))
     if dist.get_rank() == 0:
