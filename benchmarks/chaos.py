@@ -131,10 +131,11 @@ def rank_of(pid: int) -> Optional[int]:
     return None
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Running: not gone, and not a zombie waiting for its parent."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
+    except (OSError, IndexError):  # gone, or its stat read while it was being torn down
         return False
     return state != "Z"
 
@@ -335,7 +336,7 @@ def _strike(job: Job, attempt: Attempt, kill: Kill, restart: str, rng: random.Ra
         os.kill(victim, signal.SIGKILL)
         victims = [victim]
         kill.killed = f"rank {rank}"
-    wait_until(lambda: not any(_alive(pid) for pid in victims), 10)
+    wait_until(lambda: not any(alive(pid) for pid in victims), 10)
     kill.hit, kill.detail = _classify(attempt, pre_tmp, pre_last)
     if pre_last is not None:
         kill.step = pre_last["step"]

@@ -19,7 +19,7 @@ from typing import Callable
 
 import pytest
 
-from benchmarks.chaos import TINY_MODEL, children, rank_of, wait_until
+from benchmarks.chaos import TINY_MODEL, alive, children, rank_of, wait_until
 from mingpt import PROJECT_DIR
 from mingpt.reporting.logs import SUMMARY_FILE, read_metrics
 
@@ -127,12 +127,13 @@ def reopen(trainer_factory):
     return trainer_factory()
 
 
-def text_files(folder: Path, texts: dict[str, str]) -> Path:
-    """`folder` holding each of `texts` (relative name -> text, sub-folders made as needed)."""
+def text_files(folder: Path, texts: dict[str, str | bytes]) -> Path:
+    """`folder` holding each of `texts` (relative name -> text, written as UTF-8, or bytes as they are; sub-folders
+    made as needed)."""
     folder.mkdir(parents=True, exist_ok=True)
     for name, text in texts.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        (folder / name).write_text(text, encoding="utf-8")
+        (folder / name).write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
     return folder
 
 
@@ -356,6 +357,13 @@ def table(*cases: Case) -> list:
     return [pytest.param(case, id=case.id, marks=case.marks) for case in cases]
 
 
+def case_command(case: Case, args: list[str], folder: Path, *torchrun: str) -> list[str]:
+    """The command line of `case` with its arguments filled in: main.py's snapshots kept in `folder` unless the
+    arguments name their own; under torchrun (with `torchrun`'s further arguments) when the case has processes."""
+    launcher = None if case.nproc is None else standalone(case.nproc, *torchrun)
+    return cli([*own_snapshots(folder), *args] if case.script == "main.py" else args, launcher, case.script)
+
+
 def error_lines(output: str) -> list[str]:
     """The `error: ...` lines of an output, without the `[rank N] ` prefix of ranks other than 0."""
     prefixed = re.compile(r"^(\[rank \d+\] )?(?=error: )")
@@ -383,15 +391,13 @@ def run_case(case: Case, folder: Path, snapshots: Path | None = None, timeout: f
     env = {key: value for key, value in env.items() if value is not None}
     cwd = folder / "cwd"  # a folder of its own: relative data paths must still resolve against the project
     cwd.mkdir(exist_ok=True)
-    launcher = None if case.nproc is None else standalone(case.nproc)
-    command = cli([*own_snapshots(folder), *args], launcher, case.script) if case.script == "main.py" \
-        else cli(args, launcher, case.script)
     run_dir = run_dir_of(args, folder)
     if case.fault is None:
-        done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(case_command(case, args, folder), cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout)
         outcome = Outcome(done.returncode, done.stdout, done.stderr, folder, snapshots, cwd)
     else:
-        outcome = _interrupted(case, command, cwd, env, run_dir, folder, snapshots, timeout)
+        outcome = _interrupted(case, args, cwd, env, run_dir, folder, snapshots, timeout)
     assert outcome.code == case.exit_code, f"exit {outcome.code}:\n{outcome.output[-3000:]}"
     missing = [text for text in case.expect if text not in outcome.output]
     assert not missing, (missing, outcome.output[-3000:])
@@ -426,20 +432,19 @@ def reference_run(case: Case, folder: Path, cwd: Path, env: dict[str, str], time
         home = folder / "reference"
         home.mkdir()
         args = case.arguments(home, home / "snaps")
-        launcher = None if case.nproc is None else standalone(case.nproc)
-        straight = subprocess.run(cli([*own_snapshots(home), *args], launcher), cwd=cwd, env=env, capture_output=True,
-                                  text=True, timeout=timeout)
+        straight = subprocess.run(case_command(case, args, home), cwd=cwd, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
         assert_ok(straight)
         _REFERENCES[key] = run_dir_of(args, home)
     return _REFERENCES[key]
 
 
-def _interrupted(case: Case, command: list[str], cwd: Path, env: dict[str, str], run_dir: Path, folder: Path,
+def _interrupted(case: Case, args: list[str], cwd: Path, env: dict[str, str], run_dir: Path, folder: Path,
                  snapshots: Path, timeout: float) -> Outcome:
     """The torchrun job of `case`, its Fault injected from outside once its metrics reach the fault's step."""
     fault, log_path = case.fault, folder / "launch.log"
     assert fault.victim in VICTIMS and case.nproc, case
-    command = [*command[:3], f"--max-restarts={fault.restarts}", *command[3:]]  # after `python -m ...run`
+    command = case_command(case, args, folder, f"--max-restarts={fault.restarts}")
     with log_path.open("w") as log:
         job = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     workers: list[int] = []
@@ -457,7 +462,7 @@ def _interrupted(case: Case, command: list[str], cwd: Path, env: dict[str, str],
         gone_s = None
         if fault.victim == "agent":  # its workers are orphans now, which must leave by themselves
             killed_at = time.monotonic()
-            wait_for(lambda: not any(running(w) for w in workers), timeout=30, what="the orphaned workers to exit")
+            wait_for(lambda: not any(alive(w) for w in workers), timeout=30, what="the orphaned workers to exit")
             gone_s = time.monotonic() - killed_at
     finally:
         if job.poll() is None:  # something failed on the way: no job left behind
@@ -471,14 +476,6 @@ def _interrupted(case: Case, command: list[str], cwd: Path, env: dict[str, str],
     again = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     return Outcome(again.returncode, output + again.stdout, again.stderr, folder, snapshots, cwd, first=code,
                    workers=tuple(workers), workers_gone_s=gone_s)
-
-
-def running(pid: int) -> bool:
-    """Not gone and not a zombie waiting for its parent."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def read_summary(run_dir: Path) -> dict:

@@ -26,7 +26,18 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from support import PROJECT_DIR, Case, Outcome, assert_ok, cli, free_port, job_args, run_case, subprocess_env
+from support import (
+    PROJECT_DIR,
+    Case,
+    Outcome,
+    assert_ok,
+    cli,
+    free_port,
+    job_args,
+    run_case,
+    subprocess_env,
+    text_files,
+)
 
 from mingpt.checkpoint import store as snap
 
@@ -90,14 +101,6 @@ def different_vocabulary(d: Path) -> Path:
     """As much text as the fixture's data, with the same number of distinct characters but one of them other."""
     text = SHAKESPEARE[: int(len(SHAKESPEARE) * 0.05)]
     return write(d, "other.txt", text.replace("z", "\u00e9").encode("utf-8"))
-
-
-def books(d: Path, files: dict[str, str | bytes]) -> Path:
-    folder = d / "books"
-    folder.mkdir()
-    for name, content in files.items():
-        write(folder, name, content.encode() if isinstance(content, str) else content)
-    return folder
 
 
 def small_disk(mount: Path) -> None:
@@ -248,15 +251,18 @@ CASES: dict[str, Case] = {case.id: case for case in [
         prepare=lambda d, s: write(d, "latin1.txt", "café au lait. ".encode("latin-1") * 50),
         error=r"latin1\.txt is not UTF-8 text \(invalid byte at offset 3\)"),
     refused("data: a glob that matches nothing",
-        ["data_config.path={d}/books/*.txt"], prepare=lambda d, s: books(d, {"a.md": SHAKESPEARE[:5000]}),
+        ["data_config.path={d}/books/*.txt"],
+        prepare=lambda d, s: text_files(d / "books", {"a.md": SHAKESPEARE[:5000]}),
         error=r"data_config\.path '.*/books/\*\.txt' matches no file$"),
     refused("data: an unreadable file among many",
         ["data_config.path={d}/books"],
-        prepare=lambda d, s: (books(d, {"a.txt": SHAKESPEARE[:5000]}) / "c.txt").symlink_to("/proc/self/mem"),
+        prepare=lambda d, s: (text_files(d / "books", {"a.txt": SHAKESPEARE[:5000]}) / "c.txt").symlink_to(
+            "/proc/self/mem"),
         error=r"cannot read data file .*/books/c\.txt: OSError: \[Errno \d+\] "),
     refused("data: invalid UTF-8 in one file of many",
         ["data_config.path={d}/books/*.txt", "data_config.truncate=1.0"],
-        prepare=lambda d, s: books(d, {"a.txt": SHAKESPEARE[:5000], "b.txt": "caf\u00e9 au lait".encode("latin-1")}),
+        prepare=lambda d, s: text_files(d / "books", {"a.txt": SHAKESPEARE[:5000],
+                                                      "b.txt": "caf\u00e9 au lait".encode("latin-1")}),
         error=r"data file .*/books/b\.txt is not UTF-8 text \(invalid byte at offset 3\)$"),
     refused("data: no room for the cache",
         ["data_config.cache_dir={d}/small", "data_config.truncate=1.0"], prepare=lambda d, s: small_disk(d / "small"),
@@ -419,17 +425,10 @@ def run_refused(name: str, trained: Path, d: Path) -> Prepared:
     snaps = d / "snaps"
     shutil.copytree(trained, snaps)
     case = CASES[name]
-    prepare = case.prepare
-    # the snapshots' bytes are taken after the case has set its files up, before the command runs
-    before: dict[str, bytes | dict] = {}
-
-    def set_up(folder: Path, snapshots: Path) -> None:
-        if prepare is not None:
-            prepare(folder, snapshots)
-        before.update(folder_contents(snapshots))
-
-    project_before = url_like_names(PROJECT_DIR)
-    outcome = run_case(replace(case, prepare=set_up), d, snaps)
+    if case.prepare is not None:  # here, not in run_case: the snapshots' bytes are taken after it, before the run
+        case.prepare(d, snaps)
+    before, project_before = folder_contents(snaps), url_like_names(PROJECT_DIR)
+    outcome = run_case(replace(case, prepare=None), d, snaps)
     return Prepared(snaps, before, outcome, project_before)
 
 

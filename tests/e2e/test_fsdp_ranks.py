@@ -5,12 +5,11 @@ several checks: the launches are the expensive part. (How close
 fsdp's validation loss comes to ddp's is measured in the README's benchmark, on a longer run.)"""
 
 import os
-import re
 import shutil
 
 import pytest
 import torch
-from support import Case, Fault, assert_ok, job_args, muon_where_available, read_summary, run_case, run_cli
+from support import Case, Fault, assert_ok, error_lines, job_args, muon_where_available, read_summary, run_case, run_cli
 
 from mingpt import compat
 from mingpt.checkpoint import store as snap
@@ -27,8 +26,7 @@ def fsdp_args(snaps, run_dir) -> list[str]:
 def test_fsdp_on_a_cpu_is_refused_in_one_line_by_a_torch_too_old_for_it(tmp_path):
     result = run_cli(fsdp_args(tmp_path / "snaps", tmp_path / "run"), tmp_path, nproc=2)
     assert result.returncode != 0
-    errors = [re.sub(r"^\[rank \d+\] ", "", line) for line in result.stderr.splitlines()
-              if re.match(r"(\[rank \d+\] )?error: ", line)]  # once for the job, from whichever rank failed first
+    errors = error_lines(result.stderr)  # once for the job, from whichever rank failed first
     assert errors == ["error: parallel_config.strategy=fsdp on a CPU needs torch 2.7 or newer; this is torch "
                       f"{torch.__version__}"], result.stderr[-3000:]
     assert not (tmp_path / "snaps").exists() or not list((tmp_path / "snaps").iterdir())

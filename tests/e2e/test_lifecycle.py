@@ -12,6 +12,7 @@ from support import (
     PYTHON,
     Case,
     Fault,
+    alive,
     assert_ok,
     children,
     job_args,
@@ -20,7 +21,6 @@ from support import (
     read_summary,
     run_case,
     run_cli,
-    running,
     start_cli,
     wait_for,
 )
@@ -101,7 +101,7 @@ def test_sigterm_with_a_stuck_peer_leaves_within_the_stop_timeout(tmp_path):
         time.sleep(1)  # the other rank is now blocked in a collective with it
         os.kill(workers[0], signal.SIGTERM)
         signalled_at = time.monotonic()
-        wait_for(lambda: not running(workers[0]), timeout=30, what="the signalled rank to leave")
+        wait_for(lambda: not alive(workers[0]), timeout=30, what="the signalled rank to leave")
         left_after = time.monotonic() - signalled_at
     finally:
         kill_all([*workers, job.pid])
