@@ -139,29 +139,35 @@ class StopDeadline:
         self._closed = threading.Event()
         self._reader = self._writer = -1
         self._previous_fd = -1
+        self._thread: Optional[threading.Thread] = None
         if timeout_s is None:
             return
         self._reader, self._writer = os.pipe()
         os.set_blocking(self._writer, False)
         self._previous_fd = signal.set_wakeup_fd(self._writer, warn_on_full_buffer=False)
-        threading.Thread(target=self._watch, name="mingpt-stop-deadline", daemon=True).start()
+        self._thread = threading.Thread(target=self._watch, name="mingpt-stop-deadline", daemon=True)
+        self._thread.start()
 
     def _watch(self) -> None:
+        # The reader stays open until close() has restored the previous wakeup fd and closed the writer (end of
+        # file): a later SIGTERM (SLURM's, then torchrun's forwarded one) written to a pipe without a reader
+        # would print "Exception ignored ... BrokenPipeError" from CPython's C handler.
+        clock_started = False
         try:
-            self._wait_for_sigterm_then_deadline()
+            while received := self._read():
+                if signal.SIGTERM in received and not clock_started and not self._closed.is_set():
+                    clock_started = True
+                    self._leave_unless_agreed()
         finally:
             os.close(self._reader)
 
-    def _wait_for_sigterm_then_deadline(self) -> None:
-        while True:
-            try:
-                received = os.read(self._reader, 64)
-            except OSError:
-                return
-            if not received or self._closed.is_set():
-                return
-            if signal.SIGTERM in received:
-                break
+    def _read(self) -> bytes:
+        try:
+            return os.read(self._reader, 64)
+        except OSError:
+            return b""
+
+    def _leave_unless_agreed(self) -> None:
         if self.agreed.wait(self.timeout_s) or self._closed.is_set():
             return
         log.error("[rank %d] SIGTERM: could not agree with the other ranks to stop within %.0f s (trainer_config."
