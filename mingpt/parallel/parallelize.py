@@ -134,9 +134,9 @@ class ParallelModel:
     def finish_gradients(self) -> None:
         """Collective. After a step's micro-batches, before clipping: what the layout still owes the gradients."""
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Collective. Clip the gradients to a global norm over every rank's shards (and stages); returns the norm
-        before clipping as a plain tensor."""
+    def clip_grad_norm(self, max_norm: Optional[float]) -> torch.Tensor:
+        """Collective. The global gradient norm over every rank's shards (and stages), as a plain tensor, the same on
+        every rank; the gradients clipped to `max_norm` (None: measured only)."""
         return clip_grad_norm(self._clipped_parameters(), max_norm)
 
     def _clipped_parameters(self) -> list[nn.Parameter]:
@@ -308,7 +308,7 @@ class Pipelined(ParallelModel):
         self._accumulated = 0
         self.pipeline.sync_tied_gradients()
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: Optional[float]) -> torch.Tensor:
         return self.pipeline.clip_grad_norm_(max_norm)
 
     @torch.no_grad()
@@ -472,14 +472,15 @@ def compile_options(device: torch.device) -> dict:
     return {"options": {"cpp_wrapper": True}} if device.type == "cpu" else {}
 
 
-def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip to a global norm; over DTensor shards (FSDP, tensor parallelism) the norm is over all ranks' shards (a
-    collective). Returns the norm before clipping as a plain tensor."""
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
+    """Clip to a global norm (None: only measure it); over DTensor shards (FSDP, tensor parallelism) the norm is
+    over all ranks' shards (a collective). Returns the norm before clipping as a plain tensor."""
     grads = [p.grad for p in parameters if p.grad is not None]
     total = nn.utils.get_total_norm(grads, foreach=True)
     if is_dtensor(total):
         total = total.full_tensor()  # the shards' partial norms, combined
-    nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    if max_norm is not None:
+        nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
     return total
 
 

@@ -304,10 +304,10 @@ class GPTPipeline:
         dist.all_reduce(local_tensor(param.grad), group=self.tie_group)  # a DTensor's shard: peers hold the same shard
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: Optional[float]) -> torch.Tensor:
         """Collective over the pipeline (and data-parallel peers under FSDP): clip every gradient here by the norm
-        over all stages, the tied weight counted once (on the first stage). Returns that norm. Call after
-        `sync_tied_gradients`."""
+        over all stages, the tied weight counted once (on the first stage); None: only measure it. Returns that
+        norm. Call after `sync_tied_gradients`."""
         params = self.parameters()
         second_copy = self.tied_parameter() if not self.has_first_stage else None
         grads = [p.grad for p in params if p.grad is not None and p is not second_copy]
@@ -315,9 +315,14 @@ class GPTPipeline:
         if is_dtensor(norm):
             norm = norm.full_tensor()  # the shards' partial norms over the data-parallel mesh, combined
         squared = norm.float() ** 2
+        if second_copy is not None and second_copy.grad is not None:  # counted once, but stepped here too: a
+            # non-finite gradient of this copy must make the norm non-finite (no host read: where, not if)
+            copy_finite = torch.isfinite(local_tensor(second_copy.grad)).all()
+            squared = squared + torch.where(copy_finite, 0.0, float("nan")).to(squared.device)
         dist.all_reduce(squared, group=self.pp_group)  # each stage's share of the squared norm
         total = squared.sqrt()
-        nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        if max_norm is not None:
+            nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
         return total
 
 
