@@ -194,7 +194,7 @@ def report_error(error: BaseException) -> int:
             # override (snapshot_storage_options values included) into the job's log.
             traceback.print_exception(error)
             sys.stderr.flush()
-    return 2 if usage else 1
+    return error.exit_code if usage else 1
 
 
 def run_training(cfg: DictConfig) -> None:

@@ -3,8 +3,10 @@
     python sample.py snapshot=snapshots/cpu-quickstart prompt="ROMEO:" max_new_tokens=500 top_k=40 seed=1
     python sample.py snapshot=s3://bucket/run1/snapshot-000005000.pt num_samples=3
     python sample.py snapshot=snapshots/cpu-quickstart prompt_file=prompt.txt top_k=null
+    python sample.py snapshot=snapshots/default which=best
 
-`snapshot` is a snapshot file, or a snapshot folder (its newest valid snapshot is used). Settings are Hydra-style
+`snapshot` is a snapshot file, or a snapshot folder (its newest valid snapshot is used; with which=best the one of
+the lowest validation loss, where a run with trainer_config.keep_best=true marked it). Settings are Hydra-style
 overrides of `sample_cfg.yaml`. The same seed gives the same text (on the same device).
 """
 
@@ -22,7 +24,16 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from char_dataset import CharVocab
-from mingpt.checkpoint.store import CorruptSnapshot, SnapshotStore, model_tensors, read_snapshot, snapshot_step
+from mingpt.checkpoint.store import (
+    CorruptSnapshot,
+    SnapshotStore,
+    best_snapshot_url,
+    describe_nonfinite,
+    model_tensors,
+    nonfinite_tensors,
+    read_snapshot,
+    snapshot_step,
+)
 from mingpt.config import precheck_config_overrides
 from mingpt.errors import UsageError
 from mingpt.storage.locations import resolve_path
@@ -53,6 +64,10 @@ class SampleConfig:
     """cpu, cuda, cuda:N, or auto (cuda when available)"""
     storage_options: Any = None
     """extra fsspec options for reading the snapshot (credentials: use the environment)"""
+    which: str = "newest"
+    """newest | best: of a snapshot folder, its newest valid snapshot or the one of the lowest validation loss
+
+    best: the snapshot a run with trainer_config.keep_best=true marked in the folder's best.json."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0 or self.num_samples <= 0:
@@ -61,14 +76,19 @@ class SampleConfig:
             raise UsageError(f"temperature must be positive, got {self.temperature}")
         if self.top_k is not None and self.top_k <= 0:
             raise UsageError(f"top_k must be positive or null, got {self.top_k}")
+        if self.which not in ("newest", "best"):
+            raise UsageError(f"which must be newest or best, got {self.which!r}")
 
 
 ConfigStore.instance().store(name="sample_schema", node=SampleConfig)
 
 
-def load_snapshot(location: str, storage_options: Optional[dict] = None) -> dict:
-    """A snapshot (a file, or a folder of shards), or the newest valid snapshot in a folder of snapshots."""
+def load_snapshot(location: str, storage_options: Optional[dict] = None, which: str = "newest") -> dict:
+    """A snapshot (a file, or a folder of shards), or of a folder of snapshots its newest valid one (`which`
+    newest) or its best (`which` best: the lowest validation loss, marked by trainer_config.keep_best)."""
     url = resolve_path(location)  # a malformed URL is a UsageError here, never a local path
+    if which == "best":
+        url = best_snapshot_url(url, storage_options)
     if snapshot_step(url.rstrip("/").rpartition("/")[2]) is not None:
         try:
             return read_snapshot(url, storage_options)
@@ -91,6 +111,10 @@ def model_from_snapshot(snapshot: dict, device: torch.device) -> tuple[GPT, Char
         model.load_state_dict(model_tensors(snapshot))  # a sharded snapshot's tensors are read whole, here
     except (TypeError, ValueError, RuntimeError) as e:  # weights that do not fit the snapshot's own model config
         raise UsageError(f"the snapshot's weights do not match its model config: {_brief(e)}") from None
+    not_finite = nonfinite_tensors(dict(model.state_dict()))
+    if not_finite:  # a diverged run's: sampling would fail on NaN probabilities
+        raise UsageError(f"the snapshot's weights are not finite ({describe_nonfinite(not_finite)}): it is a "
+                         f"diverged run's; take an older snapshot")
     return model.to(device).eval(), CharVocab(snapshot["vocab"])
 
 
@@ -148,7 +172,7 @@ def _read_prompt(cfg: SampleConfig) -> str:
 
 def run(cfg: SampleConfig) -> list[str]:
     device = _device(cfg.device)
-    model, vocab = model_from_snapshot(load_snapshot(cfg.snapshot, cfg.storage_options), device)
+    model, vocab = model_from_snapshot(load_snapshot(cfg.snapshot, cfg.storage_options, cfg.which), device)
     prompt = _read_prompt(cfg)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     return [

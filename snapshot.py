@@ -3,6 +3,7 @@
     python snapshot.py info snapshots/default/snapshot-000002000.pt      # one JSON object
     python snapshot.py info s3://bucket/run1/snapshot-000002000.pt
     python snapshot.py list s3://bucket/run1/                            # the snapshots there, newest first
+    python snapshot.py export snapshots/default weights/ --which best    # the folder's best (trainer_config.keep_best)
     python snapshot.py consolidate snapshots/fsdp/snapshot-000000400.dcp one-file.pt
     python snapshot.py export snapshots/default/snapshot-000002000.pt weights/   # model.safetensors, config.json
     python snapshot.py export snapshots/default/snapshot-000002000.pt hf/ --format hf   # a transformers folder
@@ -21,7 +22,7 @@ import logging
 import sys
 from typing import Optional
 
-from mingpt.checkpoint.store import SnapshotStore, consolidate, export, read_snapshot, summary
+from mingpt.checkpoint.store import SnapshotStore, best_snapshot_url, consolidate, export, read_snapshot, summary
 from mingpt.errors import CorruptSnapshot, UsageError, describe
 from mingpt.storage.locations import resolve_path
 from model import GPTConfig
@@ -37,10 +38,14 @@ def list_snapshots(location: str) -> list[dict]:
         raise
     except Exception as e:  # no permission, no credentials, an unreachable store, ...
         raise UsageError(f"cannot list {store.location}: {describe(e)}") from None
+    best = store.best()
     rows = []
     for entry in entries:
-        rows.append({"name": entry.name, "step": entry.step, "format": "sharded" if entry.sharded else "file",
-                     "bytes": store.size(entry), "url": store.url(entry.name)})
+        row = {"name": entry.name, "step": entry.step, "format": "sharded" if entry.sharded else "file",
+               "bytes": store.size(entry), "url": store.url(entry.name)}
+        if best is not None and best["snapshot"] == entry.name:
+            row.update(best=True, val_loss=best["val_loss"])  # trainer_config.keep_best's: never pruned
+        rows.append(row)
     return rows
 
 
@@ -60,9 +65,16 @@ def cli(argv: Optional[list[str]] = None) -> int:
     weights.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                          help="safetensors: our names, our config (the default); hf: a Hugging Face transformers "
                               "folder (model, config, tokenizer) that AutoModelForCausalLM loads")
+    for command in (info, merge, weights):
+        command.add_argument("--which", choices=("best",), default=None,
+                             help="best: the path is a snapshot folder; take its snapshot of the lowest validation "
+                                  "loss (marked by trainer_config.keep_best)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
+        if getattr(args, "which", None) == "best":
+            chosen = best_snapshot_url(args.path if args.command == "info" else args.source)
+            setattr(args, "path" if args.command == "info" else "source", chosen)
         if args.command == "info":
             print(json.dumps(summary(read_snapshot(args.path))))
         elif args.command == "list":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ from mingpt.checkpoint.store import SnapshotStore
 from mingpt.compat import cpu_has_native_bf16
 from mingpt.distributed.process_group import DistContext
 from mingpt.distributed.stopping import StopRequest
-from mingpt.errors import UsageError
+from mingpt.errors import Diverged, UsageError
 from mingpt.parallel.parallelize import ParallelModel
 from mingpt.parallel.state import weights_sha256_of
 from mingpt.reporting.logs import PROGRESS_MODES, MetricsLog, Progress, report_end
@@ -44,6 +45,7 @@ from mingpt.storage.locations import check_location
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+DIVERGENCE_ACTIONS = ("stop", "rollback")
 EVAL_BATCH_FACTOR = 4
 
 
@@ -85,6 +87,28 @@ class TrainerConfig:
     """also snapshot every this many optimizer steps; null = off"""
     keep_last: int = 2
     """snapshots kept; older ones are deleted once a newer one is complete"""
+    keep_best: bool = False
+    """also keep the snapshot with the lowest validation loss, beside the newest ones
+
+    A snapshot is saved at every evaluation that improves on the best so far and marked in best.json; retention
+    never deletes it. sample.py which=best and snapshot.py --which best read it."""
+    skip_nonfinite_steps: bool = True
+    """skip every optimizer step whose loss or gradient norm is not finite on any rank
+
+    Every rank skips it together (no update; under fp16 the gradient scaler's own overflow handling is kept), counted
+    in the log line and metrics.jsonl. One flag is read on the host per step; false: no check per step, and a run
+    that goes non-finite is caught at its next log line or evaluation."""
+    max_skipped_steps: int = 10
+    """consecutive skipped steps after which the run has diverged (on_divergence says what then happens)"""
+    on_divergence: str = "stop"
+    """stop | rollback: what a diverged run does
+
+    stop: one line naming the newest good snapshot, exit code 3. rollback: go back to the newest good snapshot, the
+    learning rate times rollback_lr_factor from there, at most max_rollbacks times, then stop."""
+    rollback_lr_factor: float = 0.5
+    """on_divergence=rollback: each rollback multiplies every learning rate by this (0 < factor < 1)"""
+    max_rollbacks: int = 3
+    """on_divergence=rollback: rollbacks in the whole run before it stops as diverged"""
     stop_timeout_s: float = 15.0
     """after SIGTERM, a rank that cannot agree with its peers to stop within this exits
 
@@ -95,7 +119,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         positive = ("max_epochs", "batch_size", "grad_accum_steps", "log_every_steps", "save_every", "keep_last",
-                    "stop_timeout_s")
+                    "stop_timeout_s", "max_skipped_steps", "max_rollbacks")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UsageError(f"trainer_config.{name} must be positive, got {getattr(self, name)}")
@@ -113,6 +137,12 @@ class TrainerConfig:
             raise UsageError(
                 f"trainer_config.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}"
             )
+        if self.on_divergence not in DIVERGENCE_ACTIONS:
+            raise UsageError(f"trainer_config.on_divergence must be one of {', '.join(DIVERGENCE_ACTIONS)}, got "
+                             f"{self.on_divergence!r}")
+        if not 0 < self.rollback_lr_factor < 1:
+            raise UsageError(f"trainer_config.rollback_lr_factor must be between 0 and 1 (exclusive), got "
+                             f"{self.rollback_lr_factor}")
         if self.mixed_precision not in PRECISIONS:
             raise UsageError(
                 f"trainer_config.mixed_precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}"
@@ -270,6 +300,7 @@ class LossWindow:
     def reset(self, step: int) -> None:
         self.loss_sum = torch.zeros((), device=self.ctx.device)
         self.count = 0
+        self.skipped = 0  # steps of the window skipped as non-finite (their losses are not in the sum)
         self.start_step = step  # the losses from here on are averaged in the next line
         self.restart_clock(step)  # this process's steps and time since then: the speed
         self.grad_norm: Optional[torch.Tensor] = None
@@ -304,10 +335,11 @@ class LossWindow:
             sums = torch.stack(gathered)
         sums = sums.reshape(-1, 2).cpu().tolist()
         return {"sums": [row[0] for row in sums], "counted": [bool(row[1]) for row in sums], "count": self.count,
-                "start_step": self.start_step}
+                "start_step": self.start_step, "skipped": self.skipped}
 
     def load_state_dict(self, window: dict) -> None:
         self.start_step, self.count = window["start_step"], window["count"]
+        self.skipped = window.get("skipped", 0)
         counted = window.get("counted", [True] * len(window["sums"]))  # older snapshots: every rank counted
         now = self.ctx.gather_objects(self.counted)
         if counted == now:
@@ -316,6 +348,43 @@ class LossWindow:
             saved = [value for value, kept in zip(window["sums"], counted) if kept]
             own = sum(saved) / len(saved) if self.counted else 0.0
         self.loss_sum = torch.tensor(own, dtype=torch.float32, device=self.ctx.device)
+
+
+class NonFiniteSteps:
+    """Optimizer steps whose loss or gradient norm is not finite on some rank: every rank skips them together (no
+    update), they are counted, and `limit` of them in a row mean the run has diverged.
+
+    The gradient norm is global already (DDP's all-reduced gradients, FSDP's and the pipeline's reduced norm), but a
+    fault may hit one rank's gradients after their reduction or its loss alone: one small all-reduce of both flags
+    agrees. Under fp16 the gradients are the scaler's: an overflow there is its own skip (and a smaller scale), as
+    GradScaler does it; only a non-finite loss is skipped here."""
+
+    def __init__(self, ctx: DistContext, enabled: bool, limit: int, checks_gradients: bool) -> None:
+        self.ctx, self.enabled, self.limit, self.checks_gradients = ctx, enabled, limit, checks_gradients
+        self.total = 0  # skipped in the whole run (saved in snapshots)
+        self.streak = 0  # skipped in a row up to the last step
+        self.what = ""  # what was not finite at the last skipped step
+
+    def take(self, losses: list[torch.Tensor], grad_norm: Optional[torch.Tensor]) -> bool:
+        """Collective. Whether every rank takes this step (True) or every rank skips it."""
+        if not self.enabled:
+            return True
+        loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), device=self.ctx.device)
+        checked = grad_norm is not None and self.checks_gradients
+        gradient = grad_norm if checked else torch.zeros((), device=loss_sum.device)
+        flags = torch.stack([~torch.isfinite(loss_sum.float()), ~torch.isfinite(gradient.float())]).float()
+        loss_bad, gradient_bad = self.ctx.all_reduce(flags, dist.ReduceOp.MAX).tolist()  # the one host read
+        if not (loss_bad or gradient_bad):
+            self.streak = 0
+            return True
+        self.total += 1
+        self.streak += 1
+        self.what = " and ".join(name for name, bad in (("loss", loss_bad), ("gradient norm", gradient_bad)) if bad)
+        return False
+
+    @property
+    def diverged(self) -> bool:
+        return self.streak >= self.limit
 
 
 class Trainer:
@@ -348,10 +417,15 @@ class Trainer:
         self.epoch_samples = 0  # global samples consumed in the current epoch (world-size independent)
         self.epoch_order = EPOCH_ORDER  # the current epoch's order (an older snapshot's epoch ends in its own)
         self.last_val_loss: Optional[float] = None
+        self.best_val_loss: Optional[float] = None  # the lowest validation loss so far (keep_best's mark)
+        self.lr_scale = 1.0  # every learning rate's factor after rollbacks (on_divergence=rollback)
+        self.rollbacks = 0
         self._last_eval_step = -1
         self._last_lr = 0.0  # the first group's rate at the last step (AdamW's, as it was scheduled)
         self._batches: Optional[Iterator] = None
         self.window = LossWindow(self.ctx, counted=parallel.computes_loss)
+        self.nonfinite = NonFiniteSteps(self.ctx, cfg.skip_nonfinite_steps, cfg.max_skipped_steps,
+                                        checks_gradients=self.amp_dtype != torch.float16)
         self.checkpoints = self._checkpointer(snapshots, snapshot_metadata or {})
         self.stop = StopRequest(self.ctx.rank, self.ctx.device, self.ctx.group, cfg.stop_timeout_s,
                                 self.checkpoints.finish_quietly)
@@ -441,8 +515,12 @@ class Trainer:
     def _train_until_done(self) -> None:
         while self.step < self.total_steps:
             self.train_step()
+            if self.nonfinite.diverged:
+                self._diverged(f"{self.nonfinite.streak} steps in a row had a non-finite {self.nonfinite.what}")
+                continue  # rolled back (or raised)
             self.progress.advance()
-            self._after_step()
+            if not self._after_step():
+                continue  # rolled back
             if self.stop.agreed():
                 self.stopped_early = True
                 log.warning("stop requested (SIGTERM) after step %d: saving a snapshot and exiting", self.step)
@@ -456,25 +534,36 @@ class Trainer:
             self.window.restart_clock(self.step)  # speed counts this process's steps from here
         else:
             self.window.reset(self.step)
+            self.checkpoints.keep_starting_point(self.step)  # for a run that diverges before its first snapshot
         self._log_plan()
 
     def train_step(self) -> None:
         """One optimizer step on the next batches of the epoch (bench.py times exactly this)."""
         if self._batches is None:
             self._batches = self.epoch_batches()
-        self.optimizers.schedule(self.step, self.lr_schedule(self.step, self.total_steps))
+        self.optimizers.schedule(self.step, self.lr_scale * self.lr_schedule(self.step, self.total_steps))
         seed_dropout(self.cfg.seed, self.step, self.ctx.rank, self.ctx.device)
         micro_batches = self.cfg.grad_accum_steps
+        losses = []
         for micro_step in range(micro_batches):
             x, y = self.split(next(self._batches))
-            self.window.add(self.parallel.forward_backward(x, y, self.scaler, micro_batches,
-                                                           last=micro_step == micro_batches - 1))
+            losses.append(self.parallel.forward_backward(x, y, self.scaler, micro_batches,
+                                                         last=micro_step == micro_batches - 1))
         self.parallel.finish_gradients()
         self.optimizers.unscale(self.scaler)  # clip the true gradients, not the scaled ones
-        if self.cfg.grad_norm_clip > 0:
-            self.window.grad_norm = self.parallel.clip_grad_norm(self.cfg.grad_norm_clip)
-        self.optimizers.step(self.scaler)  # skipped by the scaler when fp16 gradients overflowed
-        self.scaler.update()
+        grad_norm = None
+        if self.cfg.grad_norm_clip > 0 or self.nonfinite.enabled:
+            grad_norm = self.parallel.clip_grad_norm(self.cfg.grad_norm_clip or None)
+            self.window.grad_norm = grad_norm
+        if self.nonfinite.take([loss for loss in losses if loss is not None], grad_norm):
+            for loss in losses:
+                self.window.add(loss)
+            self.optimizers.step(self.scaler)  # skipped by the scaler when fp16 gradients overflowed
+            self.checkpoints.held = None
+        else:  # every rank skips it: the weights and optimizer state stay as they were
+            self.window.skipped += 1
+            self.checkpoints.held = f"step {self.step + 1} was skipped (non-finite {self.nonfinite.what})"
+        self.scaler.update()  # after unscale_ alone too: an fp16 overflow lowers the scale either way
         self.optimizers.zero_grad(set_to_none=True)
         self.step += 1
         self.epoch_samples += self.global_batch
@@ -490,29 +579,88 @@ class Trainer:
             return (self.train_loader.dataset.__getitems__(indices) for indices in batch_sampler)
         return iter(self.train_loader)
 
-    def _after_step(self) -> None:
+    def _after_step(self) -> bool:
+        """Collective. Logging, evaluation, the epoch's end and the snapshots due after a step. False: the run went
+        non-finite there and rolled back (nothing more to do for this step)."""
         last_step = self.step == self.total_steps
         if self.step % self.cfg.log_every_steps == 0 or last_step:
-            self._log_train()
+            train_loss = self._log_train()
+            if not math.isfinite(train_loss):  # only without skip_nonfinite_steps: skipped losses are not in it
+                return self._diverged(f"the mean training loss is {train_loss}")
         if last_step or (self.cfg.eval_every_steps and self.step % self.cfg.eval_every_steps == 0):
-            self._evaluate()  # the last step is evaluated before any snapshot of it is written
+            if not self._evaluated_finite():  # the last step is evaluated before any snapshot of it is written
+                return False
         finished_epoch = None
         if self._steps_left_in_epoch() == 0:  # a complete epoch ends with an evaluation
-            if self._last_eval_step != self.step:
-                self._evaluate()
+            if self._last_eval_step != self.step and not self._evaluated_finite():
+                return False
             finished_epoch, self.epoch, self.epoch_samples, self._batches = self.epoch, self.epoch + 1, 0, None
             self.epoch_order = EPOCH_ORDER  # an older snapshot's epoch has ended
         self.window.exclude(self.checkpoints.save_if_due(self.step, finished_epoch))
+        return True
+
+    def _evaluated_finite(self) -> bool:
+        """Collective. An evaluation (and, under keep_best, the snapshot of a new best); False: its loss was not
+        finite and the run rolled back."""
+        val_loss = self._evaluate()
+        if not math.isfinite(val_loss):
+            return self._diverged(f"the validation loss is {val_loss}")
+        if self.cfg.keep_best and self.checkpoints.held is None and (self.best_val_loss is None
+                                                                     or val_loss < self.best_val_loss):
+            self.best_val_loss = val_loss
+            self.window.exclude(self.checkpoints.save(self.step, "best validation loss", best_val_loss=val_loss))
+        return True
+
+    # ----------------------------------------------------------------------------------------------- divergence
+    def _diverged(self, why: str) -> bool:
+        """Collective (every rank finds it at the same step). Roll back (returns False) or stop with one line."""
+        if self.step > self.window.start_step:
+            self._log_train()  # the steps since the last line, skipped ones counted
+        if self.cfg.on_divergence == "rollback" and self.rollbacks < self.cfg.max_rollbacks:
+            return self._roll_back(why)
+        newest = self.checkpoints.newest_complete() or self.checkpoints.write_starting_point()
+        kept = (f"the newest good snapshot is {newest}" if newest else
+                "no snapshot was written before it (a relaunch starts afresh)")
+        lr = self.optimizers.peak_lrs[0] * self.lr_scale if self.optimizers.peak_lrs else 0.0
+        advice = [f"lower optimizer_config.learning_rate (peak {lr:.3g} now)"]
+        if self.cfg.grad_norm_clip == 0:
+            advice.append("set trainer_config.grad_norm_clip (0 now)")
+        if self.cfg.on_divergence == "stop":
+            advice.append("set trainer_config.on_divergence=rollback")
+        rolled = f" after {self.rollbacks} rollback(s)" if self.rollbacks else ""
+        raise Diverged(f"training diverged at step {self.step}{rolled}: {why}; {kept}; {', or '.join(advice)}")
+
+    def _roll_back(self, why: str) -> bool:
+        """Collective. Back to the newest good snapshot (every rank loads it), every learning rate lowered."""
+        diverged_at, lr_scale, rollbacks = self.step, self.lr_scale * self.cfg.rollback_lr_factor, self.rollbacks + 1
+        newest = self.checkpoints.newest_complete() or self.checkpoints.write_starting_point()
+        if newest is None:
+            self.rollbacks = self.cfg.max_rollbacks  # nothing to go back to: stop
+            return self._diverged(f"{why} (no snapshot to roll back to)")
+        self.checkpoints.restore()
+        self.lr_scale, self.rollbacks = lr_scale, rollbacks
+        self.nonfinite.streak, self.checkpoints.held, self._batches = 0, None, None
+        self.window.restart_clock(self.step)
+        self.progress.rewind(self.step)
+        log.warning("training diverged at step %d: %s; rolled back to %s (step %d), every learning rate x%g from here "
+                    "(rollback %d of %d)", diverged_at, why, newest, self.step, self.lr_scale, self.rollbacks,
+                    self.cfg.max_rollbacks)
+        return False
 
     # ----------------------------------------------------------------------------------------------- progress state
     def state_dict(self) -> dict:
         """The trainer's own part of a snapshot: where training is."""
         return {"step": self.step, "epoch": self.epoch, "epoch_samples": self.epoch_samples,
-                "epoch_order": self.epoch_order, "val_loss": self.last_val_loss, "last_eval_step": self._last_eval_step}
+                "epoch_order": self.epoch_order, "val_loss": self.last_val_loss, "last_eval_step": self._last_eval_step,
+                "best_val_loss": self.best_val_loss, "skipped_steps": self.nonfinite.total, "lr_scale": self.lr_scale,
+                "rollbacks": self.rollbacks}
 
     def load_state_dict(self, progress: dict) -> None:
         self.step, self.epoch, self.epoch_samples = progress["step"], progress["epoch"], progress["epoch_samples"]
         self.last_val_loss, self._last_eval_step = progress["val_loss"], progress["last_eval_step"]
+        self.best_val_loss = progress.get("best_val_loss")  # older snapshots: none yet
+        self.nonfinite.total = progress.get("skipped_steps", 0)
+        self.lr_scale, self.rollbacks = progress.get("lr_scale", 1.0), progress.get("rollbacks", 0)
         self.epoch_order = resumed_order(progress.get("epoch_order", LEGACY_ORDER), self.epoch_samples, self.ctx)
         self.total_steps = self._total_steps()
 
@@ -590,9 +738,14 @@ class Trainer:
                         "continues, but not bit-for-bit as the snapshot's run would have", restored.attention,
                         attention)
 
-    def _log_train(self) -> None:
-        """Collective (the mean loss). The training line and its metrics row, for the steps since the last one."""
+    def _log_train(self) -> float:
+        """Collective (the mean loss). The training line and its metrics row, for the steps since the last one;
+        returns the mean loss (NaN when every step of the window was skipped)."""
+        skipped = self.window.skipped
+        all_skipped = skipped == self.step - self.window.start_step
         train_loss = self.window.mean_loss()
+        if all_skipped:
+            train_loss = math.nan
         elapsed = time.perf_counter() - self.window.timed_from
         steps = self.step - self.window.timed_step
         tokens_per_s = steps * self.tokens_per_step / elapsed if elapsed > 0 else 0.0
@@ -603,11 +756,19 @@ class Trainer:
             row["grad_norm"] = round(self.window.grad_norm.item(), 6)
         if self.scaler.is_enabled():
             row["loss_scale"] = self.scaler.get_scale()
+        if skipped:
+            row["skipped_steps"] = skipped
+        if all_skipped:
+            del row["train_loss"]  # no step of the window counted
         self.metrics.write(row)
-        line = (f"step {self.step}/{self.total_steps} | epoch {self.epoch} | loss {train_loss:.4f} | "
+        loss = "skipped" if all_skipped else f"{train_loss:.4f}"
+        line = (f"step {self.step}/{self.total_steps} | epoch {self.epoch} | loss {loss} | "
                 f"lr {self._last_lr:.2e} | {tokens_per_s:,.0f} tok/s | {row['ms_per_step']:.1f} ms/step")
+        if skipped:
+            line += f" | {skipped} skipped (non-finite)"
         self.progress.report(line, train_loss, tokens_per_s, self._last_lr)
         self.window.reset(self.step)
+        return 0.0 if all_skipped else train_loss  # a window of skipped steps is the streak's business
 
     # ----------------------------------------------------------------------------------------------- the end
     def full_model_copy(self, build: Callable[[], Any]) -> Optional[Any]:
@@ -618,5 +779,6 @@ class Trainer:
         """Collective. Every rank's weights compared, the last line, and the summary."""
         digest = weights_sha256_of(self.parallel.whole_tensors())  # canonical, whole
         report_end(self.metrics, digest, self.ctx.gather_objects(digest), steps=self.step, epochs_completed=self.epoch,
-                   finished=not self.stopped_early, val_loss=self.last_val_loss,
+                   finished=not self.stopped_early, val_loss=self.last_val_loss, best_val_loss=self.best_val_loss,
+                   skipped_steps=self.nonfinite.total, rollbacks=self.rollbacks,
                    wall_time_s=round(time.perf_counter() - self._fit_start, 2), world_size=self.ctx.world_size)

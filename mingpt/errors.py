@@ -12,6 +12,16 @@ import errno
 class UsageError(Exception):
     """A problem with the user's configuration, data or environment, explained in one line."""
 
+    exit_code = 2
+
+
+class Diverged(UsageError):
+    """Training went non-finite for good (trainer_config.max_skipped_steps steps in a row, or a non-finite mean or
+    validation loss): one line naming the newest good snapshot and what to change; its own exit code, so that a
+    scheduler's script can tell it from a mistake in the settings."""
+
+    exit_code = 3
+
 
 def first_line(error: object) -> str:
     """The first non-blank line of an error's text: library errors often run on over many lines."""

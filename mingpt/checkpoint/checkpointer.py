@@ -17,15 +17,20 @@ and sharded.py.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
+import torch
+import torch.distributed as dist
+
 from mingpt.checkpoint import store as snapshot_lib
 from mingpt.checkpoint.store import SnapshotStore
 from mingpt.distributed.process_group import DistContext
-from mingpt.errors import UsageError
+from mingpt.errors import UsageError, describe
+from mingpt.parallel.state import is_fresh
 
 if TYPE_CHECKING:
     from mingpt.checkpoint.sharded import ShardedWriter
@@ -78,7 +83,13 @@ class Checkpointer:
         self.store, self.metadata, self.cadence, self.ctx = store, metadata, cadence, ctx
         self.stateful, self.sharded, self.exit_wait_s = stateful, sharded, exit_wait_s
         self.blocked_s: list[float] = []  # training-thread time per snapshot, for reports and bench.py
-        self._last_saved_step = -1
+        # Why the state may not be saved now (the trainer's: its last step was skipped as non-finite); None: it may.
+        self.held: Optional[str] = None
+        self.newest: Optional[str] = None  # the newest snapshot of this run: restored or submitted
+        self._restored: Optional[str] = None  # the snapshot this run resumed from
+        self._starting_point: Optional[tuple[int, dict]] = None  # a fresh run's first state (keep_starting_point)
+        self._last_saved_step = -1  # the last step a save was asked for (and done, or refused)
+        self._written_step = -1
         self._writer: Optional[snapshot_lib.BackgroundWriter | ShardedWriter] = None
         self._group: Any = None  # the snapshot threads' gloo group, made at the first sharded save or load
 
@@ -97,23 +108,70 @@ class Checkpointer:
             blocked += self.save(step, f"every {self.cadence.save_every_steps} steps")
         return blocked
 
-    def save(self, step: int, reason: str) -> float:
+    def save(self, step: int, reason: str, best_val_loss: Optional[float] = None) -> float:
         """Every rank calls this at the same step; only global rank 0 writes, the others go straight on. A step
-        saved already is not saved again. Returns the seconds the calling thread was blocked."""
+        saved already is not saved again; nor is a state that is `held`, or one whose weights or optimizer state
+        are not finite (a diverged state never replaces a good one). With `best_val_loss`, the snapshot is marked
+        the best once complete (kept beside the newest). Returns the seconds the calling thread was blocked."""
         if self.store is None or self._last_saved_step == step:
             return 0.0
+        name = snapshot_lib.snapshot_name(step, self.sharded)
+        if self.held is not None:
+            self._not_written(step, self.held)
+            return 0.0
+        if self._writer is not None and self._writer.newest_saved is not None:
+            self._starting_point = None  # a snapshot of this run is complete: the start is no longer needed
         states = {key: obj.state_dict() for key, obj in self.stateful.items()}  # on every rank: may be collective
         self._last_saved_step = step
-        if not self.sharded and not self.ctx.is_main:
+        writes = self.sharded or self.ctx.is_main
+        not_finite = self._nonfinite(states) if writes else None
+        if not_finite:
+            self._not_written(step, f"{not_finite} is not finite")
+            return 0.0
+        if not writes:
+            self._written_step = step
             return 0.0
         start = time.perf_counter()
         state = snapshot_lib.cpu_copy(states)  # the only part that blocks training
         self._writer = self._writer or self._new_writer()
-        self._writer.submit(snapshot_lib.snapshot_name(step, self.sharded), state, self.metadata, self.ctx.world_size,
-                            reason)
+        self._writer.submit(name, state, self.metadata, self.ctx.world_size, reason,
+                            functools.partial(self._after_commit, name, step, best_val_loss))
+        self.newest, self._written_step = name, step
         blocked = time.perf_counter() - start
         self.blocked_s.append(blocked)
         return blocked
+
+    @property
+    def saved_step(self) -> int:
+        """The step of the last snapshot this run wrote (handed to the writer) or restored; -1: none."""
+        return self._written_step
+
+    def _nonfinite(self, states: dict) -> Optional[str]:
+        """Collective where every rank writes (shards). The first non-finite tensor of the state, on any rank."""
+        names = snapshot_lib.nonfinite_tensors(states)
+        if self.sharded and self.ctx.distributed:
+            anywhere = self.ctx.all_reduce(torch.tensor([float(bool(names))], device=self.ctx.device),
+                                           dist.ReduceOp.MAX)
+            if anywhere.item() and not names:
+                return "a shard on another rank"
+        return snapshot_lib.describe_nonfinite(names) if names else None
+
+    def _not_written(self, step: int, why: str) -> None:
+        if self.ctx.is_main:
+            kept = f"{self.store.url(self.newest)} stays the newest" if self.newest else "no snapshot was written yet"
+            log.warning("snapshot of step %d not written: %s; %s", step, why, kept)
+
+    def _after_commit(self, name: str, step: int, best_val_loss: Optional[float]) -> str:
+        """On the writer's thread (rank 0 of shards), once `name` is complete: marked the best if it is, then the
+        old ones pruned (never this one, nor the best). What to add to its "saved" line."""
+        mark = ""
+        if best_val_loss is not None:
+            try:
+                self.store.mark_best(name, step, best_val_loss)
+                mark = f"; the best so far, val loss {best_val_loss:.4f}"
+            except Exception as e:  # the snapshot itself is complete; the next best one tries again
+                log.warning("snapshot %s not marked the best: %s", self.store.url(name), describe(e))
+        return mark + snapshot_lib.prune_quietly(self.store, self.cadence.keep_last, keep=(name,))
 
     def _new_writer(self) -> snapshot_lib.BackgroundWriter | ShardedWriter:
         """Collective when sharded (every rank saves at the same step): the snapshot threads' own group."""
@@ -135,6 +193,39 @@ class Checkpointer:
 
             self._group = new_group()
         return self._group
+
+    def newest_complete(self) -> Optional[str]:
+        """Collective. The URL of the newest snapshot of this run (written or restored), once the one being written
+        is complete, as global rank 0 (the writer of single files) sees it; None: none."""
+        self.wait(raise_error=False)
+        written = self._writer.newest_saved if self._writer is not None else None
+        name = written or self._restored
+        return self.ctx.gather_objects(self.store.url(name) if self.store is not None and name else None)[0]
+
+    # --------------------------------------------------------------------------------------------------- the start
+    def keep_starting_point(self, step: int) -> None:
+        """Collective. A fresh run's state before its first step, copied to host memory but not written: a run that
+        diverges before its first snapshot is complete still has a good one to stop at or go back to
+        (`write_starting_point`). Dropped once a snapshot is complete."""
+        if self.store is None:
+            return
+        states = {key: obj.state_dict() for key, obj in self.stateful.items()}  # the optimizers: FRESH
+        if self.sharded or self.ctx.is_main:
+            self._starting_point = (step, snapshot_lib.cpu_copy(states))
+
+    def write_starting_point(self) -> Optional[str]:
+        """Collective. The kept starting point written as a snapshot and waited for; its URL (None: none kept, or
+        it could not be written)."""
+        if not self.ctx.gather_objects(self._starting_point is not None)[0]:  # rank 0 keeps one, or none does
+            return None
+        if self._starting_point is not None:  # the ranks that write
+            step, state = self._starting_point
+            name = snapshot_lib.snapshot_name(step, self.sharded)
+            self._writer = self._writer or self._new_writer()
+            self._writer.submit(name, state, self.metadata, self.ctx.world_size, "the run's starting point",
+                                functools.partial(self._after_commit, name, step, None))
+        self._starting_point = None
+        return self.newest_complete()
 
     def wait(self, raise_error: bool = True) -> None:
         """Block until the snapshot being written is complete (raises if writing it failed, if asked to)."""
@@ -172,7 +263,8 @@ class Checkpointer:
         else:
             for key, obj in self.stateful.items():
                 obj.load_state_dict(snap[key])
-        self._last_saved_step = entry.step
+        self._last_saved_step = self._written_step = entry.step
+        self.newest = self._restored = entry.name
         strategy = snap.get("strategy", "fsdp" if entry.sharded else "ddp")
         return Restored(url=self.store.url(entry.name), world_size=snap["world_size"], strategy=strategy,
                         attention=snap["model_config"].get("attention"), layout=snap.get("layout", strategy))
@@ -181,7 +273,7 @@ class Checkpointer:
         """Collective. A sharded snapshot into the stateful objects: DCP fills what their `named_state_dict()` holds
         (this rank's shards, or full tensors), at this run's world size, whatever the snapshot's was."""
         templates = {key: obj.named_state_dict() for key, obj in self.stateful.items()
-                     if hasattr(obj, "named_state_dict")}
+                     if hasattr(obj, "named_state_dict") and not is_fresh(snap.get(key))}
         from mingpt.checkpoint.sharded import merge, split_tensors
 
         tensors, _ = split_tensors(templates)

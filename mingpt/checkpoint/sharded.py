@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from mingpt.compat import dcp_alone
 from mingpt.errors import CorruptSnapshot, UsageError, describe, is_permanent
-from mingpt.parallel.state import numbered_optimizer_state
+from mingpt.parallel.state import is_fresh, numbered_optimizer_state
 from mingpt.storage.durable import fsync_folder
 
 log = logging.getLogger(__name__)
@@ -355,23 +355,26 @@ class ShardedWriter:
         self._error: Optional[str] = None
         self.newest_saved: Optional[str] = None
 
-    def submit(self, name: str, state: dict, metadata: dict, world_size: int, reason: str) -> None:
-        """On every rank, with this rank's private CPU copy of its state."""
+    def submit(self, name: str, state: dict, metadata: dict, world_size: int, reason: str,
+               after_commit: Optional[Any] = None) -> None:
+        """On every rank, with this rank's private CPU copy of its state. `after_commit` (rank 0, once the
+        snapshot is committed: marks, retention; returns what to add to the "saved" line) defaults to `prune`."""
         self.wait(raise_error=False)
-        self._thread = threading.Thread(target=self._write, args=(name, state, metadata, world_size, reason),
+        self._thread = threading.Thread(target=self._write, args=(name, state, metadata, world_size, reason,
+                                                                   after_commit or self.prune),
                                         name="snapshot-writer", daemon=True)
         self._thread.start()
 
-    def _write(self, name: str, state: dict, metadata: dict, world_size: int, reason: str) -> None:
+    def _write(self, name: str, state: dict, metadata: dict, world_size: int, reason: str, after_commit: Any) -> None:
         try:
             if self.device.type == "cuda":  # a new thread's current device is GPU 0: anything CUDA goes to this rank's
                 torch.cuda.set_device(self.device)
-            self._save(name, state, metadata, world_size, reason)
+            self._save(name, state, metadata, world_size, reason, after_commit)
         except BaseException as e:  # a collective that failed (a peer gone), a bug: never a silent end of the thread
             self._error = f"snapshot {self.store.url(name)} not saved: {_dcp_error(e)}"
             log.warning(self._error)
 
-    def _save(self, name: str, state: dict, metadata: dict, world_size: int, reason: str) -> None:
+    def _save(self, name: str, state: dict, metadata: dict, world_size: int, reason: str, after_commit: Any) -> None:
         start = time.perf_counter()
         url = self.store.url(name)
         tensors, plain = split_tensors(state)
@@ -397,7 +400,7 @@ class ShardedWriter:
         self._error, self.newest_saved = None, name
         if self.rank == 0:
             log.info("snapshot %s saved (%s, shards of %d rank(s), %.2f s in the background)%s", url, reason,
-                     world_size, time.perf_counter() - start, self.prune())
+                     world_size, time.perf_counter() - start, after_commit())
 
     def _attempt(self, name: str, tensors: dict, doc: dict) -> Optional[_Failure]:
         """Collective. One try at a save; the same outcome on every rank. A failed try leaves nothing behind."""
@@ -501,6 +504,10 @@ def full_state(snapshot: dict) -> dict:
     full tensors, and the optimizer's state numbered as torch.optim's own state_dict numbers it."""
     shards: Shards = snapshot["shards"]
     model = shards.full("model.")
+    kept = {key: value for key, value in snapshot.items()
+            if key not in ("shards", "files", "meta_sha256", "format", "optimizer")}
+    if is_fresh(snapshot["optimizer"]):  # a run's starting point: no optimizer state yet
+        return {**kept, "model": model, "optimizer": snapshot["optimizer"]}
     saved = shards.full("optimizer.state.")  # "<parameter name>.<exp_avg|exp_avg_sq|step>"
     groups = snapshot["optimizer"]["param_groups"]
     named: dict = {"state": {}, "param_groups": groups}
@@ -510,6 +517,4 @@ def full_state(snapshot: dict) -> dict:
                    if key.startswith(prefix) and "." not in key[len(prefix):]}
         if entries:
             named["state"][name] = entries
-    kept = {key: value for key, value in snapshot.items()
-            if key not in ("shards", "files", "meta_sha256", "format", "optimizer")}
     return {**kept, "model": model, "optimizer": numbered_optimizer_state(named)}

@@ -51,6 +51,7 @@ ZIP_MAGIC = b"PK\x03\x04"  # what every torch.save file starts with
 NAME_PATTERN = re.compile(r"^snapshot-(\d{9})\.pt$")
 SHARDED_SUFFIX = ".dcp"
 SHARDED_PATTERN = re.compile(r"^snapshot-(\d{9})\.dcp$")  # a folder of shards (strategy=fsdp): sharded.py
+BEST_FILE = "best.json"  # which snapshot has the lowest validation loss (trainer_config.keep_best)
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "bias", "vocab_size", "block_size")
 # The model options that change its function or parameters, added after the first snapshots were written: a snapshot
 # without one was made by GPT-2's choice, which is what its absence means (fixed here: a later change of
@@ -131,6 +132,39 @@ def integrity_sha256(snapshot: dict) -> str:
         for tensor in _walk_tensors(snapshot[key]):
             digest.update(_tensor_bytes(tensor))
     return digest.hexdigest()
+
+
+def nonfinite_tensors(state: Any, prefix: str = "") -> list[str]:
+    """The names (dotted paths) of the floating-point tensors in a nest of dicts/lists that hold a NaN or an
+    infinity; a DTensor is checked in its local part (its shard). One host read for the whole nest."""
+    named = list(_named_float_tensors(state, prefix))
+    by_device: dict[torch.device, list[int]] = {}
+    for index, (_, tensor) in enumerate(named):
+        by_device.setdefault(tensor.device, []).append(index)
+    finite = [True] * len(named)
+    for indices in by_device.values():  # one reduction per device (optimizer steps are CPU scalars beside CUDA)
+        flags = torch.stack([torch.isfinite(named[i][1]).all() for i in indices]).cpu().tolist()
+        for i, ok in zip(indices, flags):
+            finite[i] = ok
+    return [name for (name, _), ok in zip(named, finite) if not ok]
+
+
+def _named_float_tensors(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj  # a DTensor: this rank's part
+        if local.is_floating_point() and local.numel():
+            yield prefix, local.detach()
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _named_float_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            yield from _named_float_tensors(value, f"{prefix}.{index}" if prefix else str(index))
+
+
+def describe_nonfinite(names: list[str]) -> str:
+    """'model.wte.weight and 3 more' for a one-line message."""
+    return names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
 
 
 # --------------------------------------------------------------------------------------------------- bytes
@@ -388,11 +422,16 @@ class SnapshotStore:
         data = read_with_retries(f"cannot read snapshot {source}", lambda: self.read(entry.name))
         return from_bytes(data, source)
 
-    def prune(self, keep_last: int) -> list[str]:
-        """Delete all but the newest `keep_last` snapshots (and what interrupted saves left: local temporary files
-        and folders; folders of shards without their commit file; on S3 the incomplete multipart uploads)."""
+    def prune(self, keep_last: int, keep: tuple[str, ...] = ()) -> list[str]:
+        """Delete all but the newest `keep_last` snapshots, those named in `keep` and the best one (best.json's),
+        and what interrupted saves left: local temporary files and folders; folders of shards without their commit
+        file; on S3 the incomplete multipart uploads."""
         removed = []
+        best = self.best()
+        protected = {*keep, *([best["snapshot"]] if best else [])}
         for entry in self.entries()[keep_last:]:
+            if entry.name in protected:
+                continue
             self._remove(entry.name)
             removed.append(entry.name)
         if self.is_local and os.path.isdir(self.root):
@@ -406,6 +445,38 @@ class SnapshotStore:
         for key in self._abort_incomplete_uploads_quietly(logging.WARNING):
             removed.append(f"the incomplete upload of {key.rsplit('/', 1)[-1]}")
         return removed
+
+    # ----------------------------------------------------------------------------------------- the best one
+    def mark_best(self, name: str, step: int, val_loss: float) -> None:
+        """Record the complete snapshot `name` as the one with the lowest validation loss so far: best.json, which
+        readers see whole or not at all (a local file renamed into place; one object on a store)."""
+        record = json.dumps({"snapshot": name, "step": step, "val_loss": val_loss}).encode()
+        if self.is_local:
+            write_local_atomically(self._path(BEST_FILE), record)
+        else:
+            self.fs.pipe_file(self._path(BEST_FILE), record)
+
+    def best(self) -> Optional[dict]:
+        """best.json's record ({"snapshot", "step", "val_loss"}), or None where there is none; one that cannot be
+        read is reported in one line and taken as none (the snapshots themselves are unharmed)."""
+        try:
+            record = json.loads(self.fs.cat_file(self._path(BEST_FILE)))
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # damaged, unreadable
+            log.warning("ignoring %s: %s", self.url(BEST_FILE), describe(e))
+            return None
+        if not isinstance(record, dict) or snapshot_step(str(record.get("snapshot", ""))) is None:
+            log.warning("ignoring %s: it names no snapshot", self.url(BEST_FILE))
+            return None
+        return record
+
+    def best_entry(self) -> Optional[Entry]:
+        """The snapshot best.json names, if it is still there."""
+        record = self.best()
+        if record is None:
+            return None
+        return next((entry for entry in self.entries() if entry.name == record["snapshot"]), None)
 
     def _remove(self, name: str) -> None:
         path = self._path(name)
@@ -461,15 +532,16 @@ class SnapshotStore:
     def load_newest_valid(
         self, model_config: Optional[dict] = None, vocab: Optional[str] = None
     ) -> Optional[tuple[Entry, dict]]:
-        """The newest snapshot that reads back intact; damaged ones are reported in one line and skipped.
+        """The newest snapshot that reads back intact and finite; damaged and non-finite ones are reported in one
+        line each and skipped.
 
         With `model_config` and `vocab`, one of another model shape or vocabulary is an error, not skipped; so
-        are a newer format and pickled code. Snapshots that are all damaged are an error too: starting afresh
-        would overwrite them (and prune them) and throw away whatever could still be recovered from them.
+        are a newer format and pickled code. Snapshots that are all damaged (or not finite) are an error too:
+        starting afresh would overwrite them (and prune them) and throw away whatever could still be recovered.
         A store that fails to list or read is tried again as a failed save is (`read_with_retries`), then is a
         UsageError in one line.
         """
-        damaged = []
+        damaged, diverged = [], []
         for entry in read_with_retries(f"cannot list the snapshots in {self.location}", self.entries):
             source = self.url(entry.name)
             try:
@@ -483,12 +555,21 @@ class SnapshotStore:
                 continue
             if model_config is not None and vocab is not None:
                 check_compatible(snapshot, model_config, vocab, source)
+            # A diverged run's (written before snapshots were checked): resuming it would train NaN forever. Folders
+            # of shards were checked on every rank when written.
+            not_finite = [] if entry.sharded else nonfinite_tensors({"model": snapshot["model"],
+                                                                     "optimizer": snapshot["optimizer"]})
+            if not_finite:
+                log.warning("skipping snapshot %s: %s is not finite (a diverged run's)", source,
+                            describe_nonfinite(not_finite))
+                diverged.append(source)
+                continue
             return entry, snapshot
-        if damaged:
-            raise UsageError(
-                f"no readable snapshot in {self.location}: all {len(damaged)} damaged (newest: {damaged[0]}); "
-                f"move them away to start afresh, or use another trainer_config.snapshot_path"
-            )
+        if damaged or diverged:
+            what = (f"all {len(damaged)} damaged (newest: {damaged[0]})" if not diverged else
+                    f"{len(damaged)} damaged, {len(diverged)} not finite (newest: {diverged[0]})")
+            raise UsageError(f"no readable snapshot in {self.location}: {what}; move them away to start afresh, or "
+                             f"use another trainer_config.snapshot_path")
         return None
 
 
@@ -510,11 +591,11 @@ def write_local_atomically(path: str, data: bytes) -> None:
     fsync_folder(folder)  # make the rename itself durable
 
 
-def prune_quietly(store: SnapshotStore, keep_last: int) -> str:
-    """Remove old snapshots once a new one is complete; a failure here loses nothing (tried again next save).
-    Returns what to add to the "saved" line."""
+def prune_quietly(store: SnapshotStore, keep_last: int, keep: tuple[str, ...] = ()) -> str:
+    """Remove old snapshots once a new one is complete (not those named in `keep`, nor the best); a failure here
+    loses nothing (tried again next save). Returns what to add to the "saved" line."""
     try:
-        removed = store.prune(keep_last)
+        removed = store.prune(keep_last, keep)
     except Exception as e:
         log.warning("old snapshots in %s not removed: %s", store.location, describe(e))
         return ""
@@ -602,20 +683,24 @@ class BackgroundWriter:
         self._superseded = threading.Event()  # set: a failing save stops retrying, a newer one replaces it
         self.newest_saved: Optional[str] = None  # the newest snapshot this writer completed
 
-    def submit(self, name: str, state: dict, metadata: dict, world_size: int, reason: str) -> None:
-        """`state` must already be a private CPU copy: training goes on changing the live tensors.
+    def submit(self, name: str, state: dict, metadata: dict, world_size: int, reason: str,
+               after_commit: Optional[Callable[[], str]] = None) -> None:
+        """`state` must already be a private CPU copy: training goes on changing the live tensors. `after_commit`
+        runs once the snapshot is complete (marks, retention) and returns what to add to its "saved" line; by
+        default the older snapshots beyond keep_last are pruned.
 
         A save still waiting to retry is given up, so training does not wait out its backoff: this one is newer.
         An attempt in flight is waited for (one write at a time, and a healthy slow store is never cut short)."""
         self._superseded.set()
         self.wait(raise_error=False)
         self._superseded.clear()
-        self._thread = threading.Thread(
-            target=self._write, args=(name, state, metadata, world_size, reason), name="snapshot-writer", daemon=True
-        )
+        after_commit = after_commit or (lambda: prune_quietly(self.store, self.keep_last, keep=(name,)))
+        self._thread = threading.Thread(target=self._write, args=(name, state, metadata, world_size, reason,
+                                                                   after_commit), name="snapshot-writer", daemon=True)
         self._thread.start()
 
-    def _write(self, name: str, state: dict, metadata: dict, world_size: int, reason: str) -> None:
+    def _write(self, name: str, state: dict, metadata: dict, world_size: int, reason: str,
+               after_commit: Callable[[], str]) -> None:
         start = time.perf_counter()
         url = self.store.url(name)
         try:
@@ -633,7 +718,7 @@ class BackgroundWriter:
         self.newest_saved = name
         retried = f", {attempts} attempts" if attempts > 1 else ""
         log.info("snapshot %s saved (%s, %.2f s in the background%s)%s", url, reason,
-                 time.perf_counter() - start, retried, prune_quietly(self.store, self.keep_last))
+                 time.perf_counter() - start, retried, after_commit())
 
     def _fail(self, message: str) -> None:
         """One line, no traceback: the run goes on with the previous snapshot; wait() turns it into an error."""
@@ -730,6 +815,20 @@ def read_snapshot(path_or_url: str, storage_options: Optional[dict] = None) -> d
     except Exception as e:  # no permission, no credentials, an unreachable store, ...
         raise UsageError(f"cannot read snapshot {url}: {describe(e)}") from None
     return from_bytes(data, url)
+
+
+def best_snapshot_url(location: str, storage_options: Optional[dict] = None) -> str:
+    """The URL of the snapshot with the lowest validation loss in folder `location` (best.json's, which runs with
+    trainer_config.keep_best write); a UsageError where none is marked."""
+    store = SnapshotStore(resolve_path(location), storage_options)
+    try:
+        entry = store.best_entry()
+    except Exception as e:  # no permission, no credentials, an unreachable store, ...
+        raise UsageError(f"cannot read {store.url(BEST_FILE)}: {describe(e)}") from None
+    if entry is None:
+        raise UsageError(f"no best snapshot in {store.location}: none is marked there (a run with "
+                         f"trainer_config.keep_best=true marks the one of the lowest validation loss in {BEST_FILE})")
+    return store.url(entry.name)
 
 
 def single_file(snapshot: dict) -> dict:

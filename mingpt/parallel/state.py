@@ -105,6 +105,13 @@ def layout_state(state: dict, permuted: dict[str, int], full: bool, templates: C
     return from_canonical(state, None if full else templates(), permuted)
 
 
+FRESH = {"fresh": True}  # a state that is none yet: an optimizer before its first step
+
+
+def is_fresh(state: object) -> bool:
+    return isinstance(state, dict) and state.get("fresh") is True
+
+
 class OptimizerState:
     """The optimizer in a snapshot. DDP: the optimizer's own state_dict (parameters numbered); sharded layouts: keyed
     by parameter name, each rank's part, with the parameter groups of the whole model. Any loads into any layout.
@@ -125,7 +132,16 @@ class OptimizerState:
         self.by_name = self.sharded or len(pairs) > 1 or len(pairs[0][1]) > 1
 
     def state_dict(self) -> dict:
+        """Before the first step, FRESH: asking a sharded optimizer for its state then would make one (torch's
+        `_init_optim_state` steps it once with zero gradients, which shifts AdamW's bias correction by a step)."""
+        if self.fresh:
+            return dict(FRESH)
         return self.named_state_dict() if self.by_name else self.optimizer.state_dict()
+
+    @property
+    def fresh(self) -> bool:
+        """No optimizer has stepped yet (it holds no state)."""
+        return not any(optimizer.state for _, optimizers in self.pairs for optimizer in optimizers)
 
     def named_state_dict(self) -> dict:
         return canonical_state(self._own_state(), self.permuted)
@@ -144,6 +160,11 @@ class OptimizerState:
         return {"state": state, "param_groups": [merged_group(parts) for parts in groups]}
 
     def load_state_dict(self, state: dict) -> None:
+        if is_fresh(state):  # a snapshot of the start: the optimizers as they are before their first step
+            for _, optimizers in self.pairs:
+                for optimizer in optimizers:
+                    optimizer.state.clear()
+            return
         numbered = any(isinstance(p, int) for group in state["param_groups"] for p in group["params"])
         if numbered and not self.by_name:
             self.optimizer.load_state_dict(state)

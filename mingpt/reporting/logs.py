@@ -112,6 +112,12 @@ class Progress:
         if self.bar is not None:
             self.bar.update(1)
 
+    def rewind(self, step: int) -> None:
+        """Back to `step` (a run rolled back to an earlier snapshot)."""
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
     def report(self, line: str, loss: float, tokens_per_s: float, lr: float) -> None:
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {loss:.4f}, {tokens_per_s:,.0f} tok/s, lr {lr:.2e}", refresh=True)
@@ -140,9 +146,9 @@ def report_end(metrics: MetricsLog, digest: str, digests: list[str], **summary) 
                  len(digests), digest[:16])
     if metrics.path is not None:
         summary = {**summary, "weights_sha256": digest, "rank_weights_sha256": digests, "replicas_identical": identical}
-        order = ("steps", "epochs_completed", "finished", "val_loss", "weights_sha256", "rank_weights_sha256",
-                 "replicas_identical", "wall_time_s", "world_size")
-        text = json.dumps({key: summary[key] for key in order}, indent=2) + "\n"
+        order = ("steps", "epochs_completed", "finished", "val_loss", "best_val_loss", "skipped_steps", "rollbacks",
+                 "weights_sha256", "rank_weights_sha256", "replicas_identical", "wall_time_s", "world_size")
+        text = json.dumps({key: summary[key] for key in order if key in summary}, indent=2) + "\n"
         (metrics.path.parent / SUMMARY_FILE).write_text(text)
 
 

@@ -47,7 +47,8 @@ MUON_TOLERANCE = 2e-2
 # TP code as fsdp_tp) and "pp_fsdp" (GPipe, as pp_gpipe) run with `tests/workers/layout_worker.py` by hand, to keep
 # CI short.
 TWO = ("tp", "pp", "pp_gpipe", "pp_interleaved", "fsdp", "fsdp_muon", "tp_muon", "pp_muon")
-CHECKS = ("mesh_muon",)  # checks of the 2-process launch that are not layouts (layout_worker.CHECKS)
+CHECKS = ("mesh_muon", "nonfinite_skip")  # checks of the 2-process launch that are not layouts (layout_worker.CHECKS)
+CHECKS4 = ("nonfinite_skip4",)  # of the 4-process launch
 FOUR = ("fsdp_tp", "pp_dp", "pp_fsdp_interleaved", "pp_tp", "hsdp", "pp4", "tp4")
 
 
@@ -68,7 +69,7 @@ def two(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory) -> dict:
-    return launch(tmp_path_factory, 4, FOUR)
+    return launch(tmp_path_factory, 4, (*CHECKS4, *FOUR))
 
 
 def check_layout(run: dict, name: str) -> None:
@@ -102,6 +103,17 @@ def test_mesh_muon_orthogonalises_whole_matrices_not_their_shards(two):
         weights, momentum = result[f"mesh_muon_{split}"]
         assert weights < 1e-6 and momentum < 1e-6, result  # torch's Muon on the whole matrix, to fp32 rounding
         assert result[f"torch_muon_on_pieces_{split}"][0] > 1e-4, result  # the fault the gathering avoids
+
+
+@pytest.mark.parametrize("launch_name, check", [("two", "nonfinite_skip"), ("four", "nonfinite_skip4")])
+def test_a_nan_in_one_ranks_gradient_is_skipped_by_every_rank_on_every_layout(launch_name, check, request):
+    """After the layout's reductions rank 1 alone sees a NaN gradient at one step: every rank skips that step (the
+    whole weights do not move), counts it, and trains on; the whole weights end equal on every rank."""
+    run = request.getfixturevalue(launch_name)
+    assert check in run["results"], run["log"]
+    for layout, result in run["results"][check].items():
+        assert set(result["skipped_per_rank"]) == {1}, (layout, result)
+        assert result["unchanged"] and result["digests_equal"] and result["finite"], (layout, result)
 
 
 def hybrid_args(snaps, run_dir, max_steps: int = 16, *more: str) -> list[str]:

@@ -14,8 +14,9 @@ For each LAYOUT (a name in LAYOUTS: its parallel_config and strategy):
    weights (digest after restoring), and that trainer takes a step from it; read alone, as snapshot.py and sample.py
    read it, it has the same digest too.
 A CHECK (a name in CHECKS) is a check of its own that shares the launch, run first: "mesh_muon", MeshMuon on
-sharded matrices against torch's Muon on whole ones (muon_worker.py). Global rank 0 writes OUT_DIR/result.json after
-each.
+sharded matrices against torch's Muon on whole ones (muon_worker.py); "nonfinite_skip" (2 processes: ddp, fsdp, tp,
+pp) and "nonfinite_skip4" (4: hsdp, pp_tp), a NaN in one rank's gradient skipped by every rank. Global rank 0 writes
+OUT_DIR/result.json after each.
 """
 
 from __future__ import annotations
@@ -75,7 +76,48 @@ MUON = OptimizerConfig(name="muon", learning_rate=1e-2, warmup_steps=0, min_lr=1
 ADAMW = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3)
 
 
-CHECKS = {"mesh_muon": muon_worker.compare}  # name: a collective returning its figures
+POISONED_STEP = 2  # nonfinite_skip: the step whose gradient one rank sees as NaN
+
+
+def nonfinite_skip(ctx: DistContext, layouts: tuple[str, ...]) -> dict:
+    """Collective. For each layout: rank 1's gradient made NaN at one step, after the layout's reductions (so the
+    other ranks' own gradients stay finite); every rank must skip that step (its weights, whole, unchanged), count
+    one skip, and train on to the end with whole weights equal on every rank."""
+    results = {}
+    for name in layouts:
+        trainer = build(name, ctx, Path("unused"))
+        trainer.checkpoints.store = None  # no snapshots: the check is of the steps
+        finish = trainer.parallel.finish_gradients
+
+        def poisoned(trainer: Trainer = trainer, finish=finish) -> None:
+            finish()
+            if trainer.step == POISONED_STEP and trainer.ctx.rank == 1:
+                grads = [p.grad for module in trainer.parallel.modules for p in module.parameters()
+                         if p.grad is not None]
+                local = grads[0].to_local() if hasattr(grads[0], "to_local") else grads[0]  # a shard: its own part
+                local.view(-1)[0] = float("nan")
+
+        trainer.parallel.finish_gradients = poisoned
+        before = after = ""
+        train_step = trainer.train_step
+        for _ in range(STEPS):
+            if trainer.step == POISONED_STEP:
+                before = digest(trainer)
+            train_step()
+            if trainer.step == POISONED_STEP + 1:
+                after = digest(trainer)
+        ends = [None] * dist.get_world_size()
+        dist.all_gather_object(ends, (trainer.nonfinite.total, digest(trainer), bool(torch.isfinite(
+            torch.stack([t.float().abs().max() for _, t in trainer.parallel.whole_tensors()])).all())))
+        results[name] = {"skipped_per_rank": [end[0] for end in ends], "unchanged": before == after,
+                         "digests_equal": len({end[1] for end in ends}) == 1, "finite": all(end[2] for end in ends)}
+    return results
+
+
+# name: a collective (given the process group) returning its figures
+CHECKS = {"mesh_muon": lambda ctx: muon_worker.compare(),
+          "nonfinite_skip": lambda ctx: nonfinite_skip(ctx, ("ddp", "fsdp", "tp", "pp")),
+          "nonfinite_skip4": lambda ctx: nonfinite_skip(ctx, ("hsdp", "pp_tp"))}
 
 
 def optimizer_of(name: str) -> OptimizerConfig:
@@ -158,7 +200,7 @@ def main_worker(out: Path, names: list[str]) -> None:
     ctx = setup_distributed()
     results = {}
     for name in [name for name in names if name in CHECKS]:
-        results[name] = CHECKS[name]()
+        results[name] = CHECKS[name](ctx)
         if ctx.is_main:
             (out / "result.json").write_text(json.dumps(results, indent=1))
     names = [name for name in names if name not in CHECKS]
