@@ -64,6 +64,7 @@ SKIPPED = {
     ("docs/tracking.md", "wandb login"): "needs a W&B account and network access",
     ("benchmarks/bench.md", "python benchmarks/bench.py preset=nanogpt_cpu"): NANOGPT,
     ("benchmarks/bench.md", "python benchmarks/bench.py --baseline nanogpt"): BENCHMARK,
+    ("benchmarks/bench.md", "# one pair; the rows below ran it"): BENCHMARK,
     ("benchmarks/bench_data.md", "python benchmarks/bench_data.py"): BENCHMARK + " (a 340 MB corpus)",
     ("benchmarks/bench_launch.md", "python benchmarks/bench_launch.py --only startup"): NANOGPT,
     ("benchmarks/bench_launch.md", "git clone https://github.com/karpathy/nanoGPT"): NANOGPT,
