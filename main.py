@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 
 from char_dataset import CharCorpus, DataConfig
 from mingpt import config
-from mingpt.checkpoint.store import SnapshotStore
+from mingpt.checkpoint.store import SnapshotStore, describe_nonfinite, nonfinite_tensors
 from mingpt.compat import check_torch_supported
 from mingpt.config import CONFIG_NAME, redacted, scrub_hydra_output, sweep_job_name, to_dataclasses
 from mingpt.distributed.process_group import (
@@ -171,7 +171,12 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
 
 
 def report_results(trainer: Trainer, model: GPT, corpus: CharCorpus, run_dir: Path) -> None:
-    """Rank 0, after training: the loss plot (drawn meanwhile by another process) and a short sample in the log."""
+    """Rank 0, after training: the loss plot (drawn meanwhile by another process) and a short sample in the log;
+    neither for weights that are not finite (sampling would fail on NaN probabilities)."""
+    not_finite = nonfinite_tensors(dict(model.state_dict()))
+    if not_finite:
+        log.warning("no loss plot or sample: the weights are not finite (%s)", describe_nonfinite(not_finite))
+        return
     plotter = LossPlotter(run_dir)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(trainer.cfg.seed)
     with one_core_spared():

@@ -616,9 +616,9 @@ class Trainer:
         """Collective (every rank finds it at the same step). Roll back (returns False) or stop with one line."""
         if self.step > self.window.start_step:
             self._log_train()  # the steps since the last line, skipped ones counted
-        if self.cfg.on_divergence == "rollback" and self.rollbacks < self.cfg.max_rollbacks:
-            return self._roll_back(why)
         newest = self.checkpoints.newest_complete() or self.checkpoints.write_starting_point()
+        if self.cfg.on_divergence == "rollback" and self.rollbacks < self.cfg.max_rollbacks and newest is not None:
+            return self._roll_back(why, newest)
         kept = (f"the newest good snapshot is {newest}" if newest else
                 "no snapshot was written before it (a relaunch starts afresh)")
         lr = self.optimizers.peak_lrs[0] * self.lr_scale if self.optimizers.peak_lrs else 0.0
@@ -630,13 +630,9 @@ class Trainer:
         rolled = f" after {self.rollbacks} rollback(s)" if self.rollbacks else ""
         raise Diverged(f"training diverged at step {self.step}{rolled}: {why}; {kept}; {', or '.join(advice)}")
 
-    def _roll_back(self, why: str) -> bool:
+    def _roll_back(self, why: str, newest: str) -> bool:
         """Collective. Back to the newest good snapshot (every rank loads it), every learning rate lowered."""
         diverged_at, lr_scale, rollbacks = self.step, self.lr_scale * self.cfg.rollback_lr_factor, self.rollbacks + 1
-        newest = self.checkpoints.newest_complete() or self.checkpoints.write_starting_point()
-        if newest is None:
-            self.rollbacks = self.cfg.max_rollbacks  # nothing to go back to: stop
-            return self._diverged(f"{why} (no snapshot to roll back to)")
         self.checkpoints.restore()
         self.lr_scale, self.rollbacks = lr_scale, rollbacks
         self.nonfinite.streak, self.checkpoints.held, self._batches = 0, None, None
@@ -740,9 +736,9 @@ class Trainer:
 
     def _log_train(self) -> float:
         """Collective (the mean loss). The training line and its metrics row, for the steps since the last one;
-        returns the mean loss (NaN when every step of the window was skipped)."""
+        returns the mean loss (0.0 when every step of the window was skipped: the streak counts those)."""
         skipped = self.window.skipped
-        all_skipped = skipped == self.step - self.window.start_step
+        all_skipped = skipped > 0 and skipped == self.step - self.window.start_step
         train_loss = self.window.mean_loss()
         if all_skipped:
             train_loss = math.nan

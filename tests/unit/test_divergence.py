@@ -177,3 +177,17 @@ def test_keep_best_keeps_the_lowest_validation_loss_through_retention_and_a_resu
     (tmp_path / "s" / snap.BEST_FILE).unlink()
     assert snapshot_tool.cli(["info", str(tmp_path / "s"), "--which", "best"]) == 2
     assert "no best snapshot in" in capsys.readouterr().err
+
+
+def test_the_end_of_a_run_with_non_finite_weights_has_no_plot_or_sample(tmp_path, caplog):
+    import main
+
+    trainer = make_trainer(tmp_path, max_steps=2)
+    trainer.fit()
+    model = trainer.parallel.modules[0]
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    with caplog.at_level(logging.WARNING):
+        main.report_results(trainer, model, None, tmp_path)  # no plotter started, no multinomial traceback
+    assert "no loss plot or sample: the weights are not finite (transformer.wte.weight" in caplog.text
+    assert not (tmp_path / "loss.png").exists()
