@@ -53,7 +53,7 @@ def cli(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="snapshot.py", description="Inspect and convert mingpt-ddp snapshots.")
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="print one snapshot's summary as JSON")
-    info.add_argument("path", help="snapshot file or folder of shards: local path or fsspec URL")
+    info.add_argument("source", metavar="path", help="snapshot file or folder of shards: local path or fsspec URL")
     listing = commands.add_parser("list", help="list the snapshots in a location, newest first")
     listing.add_argument("location", help="snapshot folder: local path or fsspec URL")
     merge = commands.add_parser("consolidate", help="write a snapshot (sharded or not) as a single file")
@@ -72,11 +72,10 @@ def cli(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
-        if getattr(args, "which", None) == "best":
-            chosen = best_snapshot_url(args.path if args.command == "info" else args.source)
-            setattr(args, "path" if args.command == "info" else "source", chosen)
+        if getattr(args, "which", None) == "best":  # info, consolidate, export: the folder's best snapshot
+            args.source = best_snapshot_url(args.source)
         if args.command == "info":
-            print(json.dumps(summary(read_snapshot(args.path))))
+            print(json.dumps(summary(read_snapshot(args.source))))
         elif args.command == "list":
             rows = list_snapshots(args.location)
             if not rows:

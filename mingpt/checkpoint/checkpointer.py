@@ -85,11 +85,9 @@ class Checkpointer:
         self.blocked_s: list[float] = []  # training-thread time per snapshot, for reports and bench.py
         # Why the state may not be saved now (the trainer's: its last step was skipped as non-finite); None: it may.
         self.held: Optional[str] = None
-        self.newest: Optional[str] = None  # the newest snapshot of this run: restored or submitted
         self._restored: Optional[str] = None  # the snapshot this run resumed from
         self._starting_point: Optional[tuple[int, dict]] = None  # a fresh run's first state (keep_starting_point)
         self._last_saved_step = -1  # the last step a save was asked for (and done, or refused)
-        self._written_step = -1
         self._writer: Optional[snapshot_lib.BackgroundWriter | ShardedWriter] = None
         self._group: Any = None  # the snapshot threads' gloo group, made at the first sharded save or load
 
@@ -129,22 +127,15 @@ class Checkpointer:
             self._not_written(step, f"{not_finite} is not finite")
             return 0.0
         if not writes:
-            self._written_step = step
             return 0.0
         start = time.perf_counter()
         state = snapshot_lib.cpu_copy(states)  # the only part that blocks training
         self._writer = self._writer or self._new_writer()
         self._writer.submit(name, state, self.metadata, self.ctx.world_size, reason,
                             functools.partial(self._after_commit, name, step, best_val_loss))
-        self.newest, self._written_step = name, step
         blocked = time.perf_counter() - start
         self.blocked_s.append(blocked)
         return blocked
-
-    @property
-    def saved_step(self) -> int:
-        """The step of the last snapshot this run wrote (handed to the writer) or restored; -1: none."""
-        return self._written_step
 
     def _nonfinite(self, states: dict) -> Optional[str]:
         """Collective where every rank writes (shards). The first non-finite tensor of the state, on any rank."""
@@ -158,7 +149,8 @@ class Checkpointer:
 
     def _not_written(self, step: int, why: str) -> None:
         if self.ctx.is_main:
-            kept = f"{self.store.url(self.newest)} stays the newest" if self.newest else "no snapshot was written yet"
+            newest = self._newest_name()
+            kept = f"{self.store.url(newest)} stays the newest" if newest else "no snapshot was written yet"
             log.warning("snapshot of step %d not written: %s; %s", step, why, kept)
 
     def _after_commit(self, name: str, step: int, best_val_loss: Optional[float]) -> str:
@@ -198,9 +190,12 @@ class Checkpointer:
         """Collective. The URL of the newest snapshot of this run (written or restored), once the one being written
         is complete, as global rank 0 (the writer of single files) sees it; None: none."""
         self.wait(raise_error=False)
-        written = self._writer.newest_saved if self._writer is not None else None
-        name = written or self._restored
+        name = self._newest_name()
         return self.ctx.gather_objects(self.store.url(name) if self.store is not None and name else None)[0]
+
+    def _newest_name(self) -> Optional[str]:
+        """The newest complete snapshot of this run on this rank: the writer's last, else the one restored."""
+        return (self._writer.newest_saved if self._writer is not None else None) or self._restored
 
     # --------------------------------------------------------------------------------------------------- the start
     def keep_starting_point(self, step: int) -> None:
@@ -263,8 +258,8 @@ class Checkpointer:
         else:
             for key, obj in self.stateful.items():
                 obj.load_state_dict(snap[key])
-        self._last_saved_step = self._written_step = entry.step
-        self.newest = self._restored = entry.name
+        self._last_saved_step = entry.step
+        self._restored = entry.name
         strategy = snap.get("strategy", "fsdp" if entry.sharded else "ddp")
         return Restored(url=self.store.url(entry.name), world_size=snap["world_size"], strategy=strategy,
                         attention=snap["model_config"].get("attention"), layout=snap.get("layout", strategy))
