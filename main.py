@@ -56,7 +56,7 @@ from mingpt.distributed.stopping import exit_now
 from mingpt.errors import UsageError, describe
 from mingpt.optim import OptimizerConfig, build_optimizer, check_optimizer_fits, lr_factor
 from mingpt.parallel.layout import ParallelConfig, writes_shards
-from mingpt.parallel.parallelize import parallelize
+from mingpt.parallel.parallelize import builds_on_meta, parallelize
 from mingpt.reporting.logs import setup_logging
 from mingpt.reporting.plot import LossPlotter
 from mingpt.reporting.trackers import Tracking, TrackingConfig
@@ -117,8 +117,12 @@ def build_trainer(cfg: TrainConfig, corpus: CharCorpus, ctx: DistContext, run_di
     amp_dtype = resolve_precision(cfg.trainer_config.mixed_precision, ctx.device)
     check_optimizer_fits(cfg.optimizer_config, amp_dtype)
     gpt_cfg = model_config(cfg, corpus, ctx.device)
-    torch.manual_seed(cfg.trainer_config.seed)  # identical initial weights on every rank
-    model = GPT(gpt_cfg).to(ctx.device)
+    seed = cfg.trainer_config.seed  # the same initial weights on every rank, in every layout
+    if builds_on_meta(cfg.parallel_config, ctx.world_size):
+        with torch.device("meta"):  # shapes only: parallelize makes each part real on its way to its shards
+            model = GPT(gpt_cfg, seed=seed)
+    else:
+        model = GPT(gpt_cfg, seed=seed).to(ctx.device)
     log.info("model: %s parameters, %s attention", f"{model.num_params():,}", gpt_cfg.attention)
     optimizers = functools.partial(build_optimizer, cfg=cfg.optimizer_config)
     parallel = parallelize(model, cfg.parallel_config, ctx, amp_dtype, optimizers)

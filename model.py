@@ -10,6 +10,7 @@ This module is only the model: it knows nothing of ranks, devices, files or Hydr
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -124,8 +125,7 @@ class CausalSelfAttention(nn.Module):
         self.rope_base = cfg.rope_base if cfg.positions == "rotary" else None  # None: positions come from wpe
         if cfg.attention == "matmul":
             # Added to the scores: -inf above the diagonal. Not part of the state_dict (it is not learned).
-            future = torch.full((cfg.block_size, cfg.block_size), float("-inf")).triu(1)
-            self.register_buffer("causal_bias", future, persistent=False)
+            self.register_buffer("causal_bias", causal_bias(cfg.block_size), persistent=False)
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
@@ -188,6 +188,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return rotated.to(x.dtype)
 
 
+def causal_bias(block_size: int) -> torch.Tensor:
+    """(T, T): 0 on and below the diagonal, -inf above it (a position does not attend to later ones)."""
+    return torch.full((block_size, block_size), float("-inf")).triu(1)
+
+
 def causal_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + causal mask) v, by torch's fused kernel; q, k, v: (batch, heads, time, head_dim)."""
     # is_causal=True builds the mask inside the kernel. (PyTorch's minGPT-DDP example passes a float mask of ones to
@@ -234,11 +239,30 @@ def make_activation(cfg: GPTConfig) -> nn.Module:
     return ReLUSquared() if cfg.activation == "relu2" else nn.GELU()
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm with its gain and bias applied in the input's dtype: a residual stream in fp32 is normalised in
+    fp32 even where the parameters are held in a lower precision (FSDP's bf16 copies under mixed precision), as
+    under DDP with autocast, whose parameters are fp32; with fp32 parameters it is nn.LayerNorm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm with its gain applied in the input's dtype, as LayerNorm above."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
 def make_norm(cfg: GPTConfig) -> nn.Module:
     """A norm over the residual stream's width; either kind names its gain `weight`, so parameter names stay."""
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
+        return RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+    return LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 class MLP(nn.Module):
@@ -269,7 +293,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """The model. Its initial weights are a function of `seed` and each tensor's name alone (`initial_value`), not
+    of the order tensors are drawn in: a model built on the meta device and materialised piece by piece (sharded,
+    split into pipeline stages) starts from the weights a whole one gets. `seed` None: one drawn from torch's
+    global generator (torch.manual_seed still decides). Built under `torch.device("meta")`, nothing is drawn and
+    the caller materialises it with `initial_value`."""
+
+    def __init__(self, cfg: GPTConfig, seed: Optional[int] = None) -> None:
         super().__init__()
         if not cfg.vocab_size or not cfg.block_size:
             raise ValueError("GPTConfig.vocab_size and block_size must be set from the data before building GPT")
@@ -286,31 +316,43 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:  # as GPT-2: the output projection shares the token embedding matrix
             self.transformer.wte.weight = self.lm_head.weight
-        self.apply(self._init_weights)
-        self._init_residual_projections()
-        if cfg.bigram_embedding:  # zero: the model starts as one without it, and the pairs learn what they add
-            nn.init.zeros_(self.transformer.bigram.weight)
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        # None: drawn from the CPU generator, which torch.manual_seed sets (even under torch.device("meta"))
+        self.init_seed = int(torch.randint(2**62, (), device="cpu")) if seed is None else seed
+        if not self.lm_head.weight.is_meta:
+            self.init_weights()
 
     @torch.no_grad()
-    def _init_residual_projections(self) -> None:
-        """GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) so the residual stream's variance does not
-        grow with depth (two residual additions per block); zero_init_proj starts each block as the identity."""
-        for name, param in self.named_parameters():
-            if not name.endswith("c_proj.weight"):
-                continue
-            if self.config.zero_init_proj:
-                nn.init.zeros_(param)
-            else:
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+    def init_weights(self) -> None:
+        """Every parameter and buffer at its `initial_value`."""
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            tensor.copy_(self.initial_value(name))
+
+    @torch.no_grad()
+    def initial_value(self, name: str) -> torch.Tensor:
+        """The initial value of the parameter or buffer called `name` in this model (a pipeline stage's tensors keep
+        these names), whole, in fp32 on the CPU, from a generator seeded by (init_seed, name). GPT-2's init: normal
+        (0, 0.02) matrices and embeddings, the residual projections scaled by 1/sqrt(2 * n_layer) so the residual
+        stream's variance does not grow with depth (two additions per block; zero_init_proj: zero, each block
+        starting as the identity), zero biases and bigram table (the model starts as one without it), unit norm
+        gains."""
+        if self.config.tie_embeddings and name == "lm_head.weight":
+            name = "transformer.wte.weight"  # one matrix under two names
+        path, _, attr = name.rpartition(".")
+        module = self.get_submodule(path)
+        shape = getattr(module, attr).shape
+        if attr == "causal_bias":
+            return causal_bias(self.config.block_size)
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            return torch.ones(shape) if attr == "weight" else torch.zeros(shape)
+        if attr == "bias" or path == "transformer.bigram" or (
+                name.endswith("c_proj.weight") and self.config.zero_init_proj):
+            return torch.zeros(shape)
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or attr != "weight":
+            raise ValueError(f"GPT.initial_value has no rule for {name}")
+        std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") else 0.02
+        key = hashlib.blake2b(f"{self.init_seed}:{name}".encode(), digest_size=8).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+        return torch.empty(shape).normal_(0.0, std, generator=generator)
 
     def num_params(self, exclude_position_embedding: bool = False) -> int:
         """Parameter count (a tied embedding counted once), without the learned position embedding if asked."""

@@ -6,6 +6,7 @@ index pickles) stay where they are used; docs/private-interfaces.md lists them a
     check_torch_supported()                  # at start-up: torch older than OLDEST_TORCH is one line, not a TypeError
     require_torch((2, 7), "some feature")    # a feature that needs a newer torch than the oldest supported
     DDP(model, **ddp_no_buffer_sync())       # DDP's keyword for "buffers need no syncing" in this release
+    distribute_locally(whole, mesh, placements)  # a DTensor of a value every rank holds, without communication
     dcp.save(state, **dcp_alone(group))      # DCP's keywords for a group, or for this process alone (None)
     abort_process_group()                    # a failed rank leaves its NCCL communicators without waiting for peers
     sharded_gradient_scaler(device, group)   # fp16 under FSDP: an overflow agreed across ranks, for fused AdamW
@@ -25,7 +26,9 @@ from mingpt.errors import UsageError
 
 OLDEST_TORCH = (2, 6)  # the oldest release CI runs (.ci/run's second leg)
 NEWEST_TORCH = (2, 15)  # the newest release the package index served when the range was last checked
-CPU_FSDP_TORCH = (2, 7)  # strategy=fsdp on a CPU: torch 2.6's FSDP2 records events on CPU streams, which lack them
+# FSDP2 (strategy=fsdp, and the mesh layouts built on it): on a CPU torch 2.6's records events on CPU streams, which
+# lack them, so no test can run it there, and on a GPU it has never run: refused below the oldest release CI runs it on
+FSDP_TORCH = (2, 7)
 MUON_TORCH = (2, 9)  # torch.optim.Muon's first release
 
 
@@ -58,6 +61,13 @@ def require_torch(version: tuple[int, int], feature: str) -> None:
         raise UsageError(f"{feature} needs torch {_named(version)} or newer; this is torch {torch.__version__}")
 
 
+def require_fsdp(feature: str) -> None:
+    """Refuse FSDP2 (and what is built on it) in one line below FSDP_TORCH, on every device."""
+    if TORCH < FSDP_TORCH:
+        raise UsageError(f"{feature} needs torch {_named(FSDP_TORCH)} or newer, the oldest release it is tested on; "
+                         f"this is torch {torch.__version__}")
+
+
 def check_muon_available() -> None:
     """optimizer_config.name=muon uses torch's own Muon: refused in one line where this torch has none."""
     require_torch(MUON_TORCH, "optimizer_config.name=muon (torch.optim.Muon)")
@@ -73,6 +83,17 @@ def ddp_no_buffer_sync() -> dict[str, Any]:
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
+
+
+def distribute_locally(tensor: torch.Tensor, mesh: Any, placements: Any) -> Any:
+    """A DTensor of `tensor` (the same whole value on every rank) with `placements` on `mesh`, each rank keeping its
+    own part: `src_data_rank=None` (torch 2.7 and newer) says so without communication; older releases scatter
+    rank 0's value, which is the same one."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if "src_data_rank" in inspect.signature(distribute_tensor).parameters:
+        return distribute_tensor(tensor, mesh, placements, src_data_rank=None)
+    return distribute_tensor(tensor, mesh, placements)
 
 
 def dcp_alone(group: Any) -> dict[str, Any]:

@@ -20,7 +20,7 @@ What each layout (layout.py) applies, in torchtitan's order: tensor parallelism 
     Pipelined    this process's pipeline stages (pipeline.py), each parallelised as Sharded parallelises a model, fed
                  micro-batches by a schedule
 
-FSDP2 is applied in one place, `shard_data_parallel`. DDP is not used on a mesh: its reducer cannot take DTensor
+FSDP2 is applied in one place, `fsdp_sharding`. DDP is not used on a mesh: its reducer cannot take DTensor
 parameters, and inside a pipeline stage under GPipe or interleaved schedules it trains wrong
 (tests/e2e/test_pipeline.py).
 """
@@ -38,10 +38,11 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from mingpt.compat import CPU_FSDP_TORCH, ddp_no_buffer_sync, require_torch, sharded_gradient_scaler
+from mingpt.compat import ddp_no_buffer_sync, require_fsdp, sharded_gradient_scaler
 from mingpt.distributed.process_group import DistContext
 from mingpt.optim import Optimizers
 from mingpt.parallel.layout import Layout, Mesh, ParallelConfig, resolve_layout
+from mingpt.parallel.materialize import InitialValue, materialize, on_meta
 from mingpt.parallel.state import (
     ModelState,
     OptimizerState,
@@ -341,25 +342,36 @@ class Pipelined(ParallelModel):
 
 
 # ----------------------------------------------------------------------------------------------- building
+def builds_on_meta(cfg: ParallelConfig, world_size: int) -> bool:
+    """Whether the model for this layout is built on the meta device and made real by `parallelize` piece by piece
+    (every layout that shards or splits it); plain DDP builds it whole, as every rank holds it whole anyway."""
+    return resolve_layout(cfg, world_size).strategy != "ddp"
+
+
 def parallelize(model: nn.Module, cfg: ParallelConfig, ctx: DistContext, amp_dtype: torch.dtype,
                 build_optimizers: Callable[[nn.Module], Optimizers]) -> ParallelModel:
     """Collective. `model` spread over the processes of `ctx` as `cfg` lays them out (in place: its modules become
     DTensor shards, or this rank's pipeline stages of it), with `build_optimizers(module)` over what this process
-    holds. Under a sharded layout a process on its own gets a process group of one (FSDP2 needs one)."""
+    holds. Under a sharded layout a process on its own gets a process group of one (FSDP2 needs one).
+
+    A `model` built on the meta device (`builds_on_meta`: every layout but plain DDP) is made real here, part by
+    part on the way to its shards or stages, at `model.initial_value` (GPT's: the weights one process draws)."""
     layout = resolve_layout(cfg, ctx.world_size)
     whole_shapes = {name: (value.shape, value.dtype) for name, value in model.state_dict().items()}
+    initial_value = model.initial_value if on_meta(model) else None  # the whole model's, before it is split
     if layout.strategy == "ddp":
+        if initial_value is not None:
+            materialize(model, model, ctx.device, initial_value)
         return _replicate(model, cfg, layout, ctx, amp_dtype, build_optimizers, whole_shapes)
-    if ctx.device.type == "cpu":
-        what = "tensor parallelism and hybrid layouts" if layout.needs_mesh else "parallel_config.strategy=fsdp"
-        require_torch(CPU_FSDP_TORCH, f"{what} on a CPU")
+    what = "tensor parallelism and hybrid layouts" if layout.needs_mesh else "parallel_config.strategy=fsdp"
+    require_fsdp(what)
     ctx = group_of_one(ctx)
     mesh = Mesh.build(layout, ctx.device)
     common = {"layout": layout, "mesh": mesh, "ctx": ctx, "amp_dtype": amp_dtype,
               "build_optimizers": build_optimizers, "whole_shapes": whole_shapes}
     if layout.pp > 1:
-        return _pipeline(model, cfg, mesh, amp_dtype, ctx.device, common)
-    common["permuted"] = parallelize_module(model, mesh, cfg, amp_dtype, ctx.device)
+        return _pipeline(model, cfg, mesh, amp_dtype, ctx.device, common, initial_value)
+    common["permuted"] = parallelize_module(model, mesh, cfg, amp_dtype, ctx.device, initial_value)
     return Sharded(model, fsdp=layout.dp > 1 or not layout.needs_mesh, **common)
 
 
@@ -383,10 +395,12 @@ def _replicate(model: nn.Module, cfg: ParallelConfig, layout: Layout, ctx: DistC
 
 
 def parallelize_module(module: nn.Module, mesh: Mesh, cfg: ParallelConfig, amp_dtype: torch.dtype,
-                       device: torch.device) -> dict[str, int]:
+                       device: torch.device, initial_value: Optional[InitialValue] = None) -> dict[str, int]:
     """Collective. A model, or a pipeline stage of one, in place, as torchtitan applies the parts: tensor
     parallelism over the mesh's tp dimension, activation checkpointing and compiling block by block (FSDP's hooks
-    stay outside the compiled graphs), then FSDP2 over the data-parallel mesh. Returns the parameters tensor
+    stay outside the compiled graphs), then FSDP2 over the data-parallel mesh, on each block and then the root.
+    A module on the meta device is made real (`initial_value`) one block at a time, each just before it is
+    sharded, then the rest: the whole module never exists on this rank. Returns the parameters tensor
     parallelism keeps in permuted row order ({name: degree})."""
     layout = mesh.layout
     permuted: dict[str, int] = {}
@@ -397,34 +411,55 @@ def parallelize_module(module: nn.Module, mesh: Mesh, cfg: ParallelConfig, amp_d
         # two collectives (clipping, snapshots, digests): right, and not the user's to act on.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         permuted = apply_tensor_parallel(module, mesh.sub_mesh("tp"))
+    made: dict[int, nn.Parameter] = {}  # one tied parameter made once, whichever part holds it first
+
+    def make_real(part: nn.Module) -> None:
+        if on_meta(part):
+            if initial_value is None:
+                raise ValueError("a module on the meta device needs initial_value to be made real")
+            materialize(module, part, device, initial_value, permuted, made)
+
+    shard = fsdp_sharding(mesh.data_parallel_mesh(), amp_dtype) if layout.dp > 1 or not layout.needs_mesh else None
     for block in blocks_of(module):
         if cfg.activation_checkpointing == "blocks":
             checkpoint_activations(block)
         if cfg.compile:
             block.compile(**compile_options(device))
+        make_real(block)
+        if shard is not None:
+            shard(block, root=False)
     if layout.pp > 1 and amp_dtype != torch.float32:  # the forward pass only: the schedule runs the backward outside
         module.forward = autocast_forward(module.forward, device, amp_dtype)
-    if layout.dp > 1 or not layout.needs_mesh:
-        shard_data_parallel(module, mesh.data_parallel_mesh(), amp_dtype)
+    make_real(module)
+    if shard is not None:
+        shard(module, root=True)
     return permuted
 
 
-def shard_data_parallel(module: nn.Module, dp_mesh: Any, amp_dtype: torch.dtype) -> None:
-    """FSDP2 on each block, then on the root (the embeddings, the final norm and the head), over `dp_mesh` (1-D:
-    shards; 2-D: replicas of shards). Under mixed precision the parameters are all-gathered in the autocast dtype
-    and gradients reduced in fp32."""
+def fsdp_sharding(dp_mesh: Any, amp_dtype: torch.dtype) -> Callable[..., None]:
+    """FSDP2's `fully_shard` over `dp_mesh` (1-D: shards; 2-D: replicas of shards), as `shard(module, root)`: first
+    each block, then the root (the embeddings, the final norm and the head).
+
+    Mixed precision as DDP under autocast computes it (docs/fsdp.md, "Mixed precision"): a block's parameters are
+    all-gathered in the autocast dtype, but its input is not cast (cast_forward_inputs=False), and the root's
+    parameters stay fp32, so the embeddings' sum and every residual addition stay fp32, as they do under DDP; the
+    matrix products run in the autocast dtype under both; gradients are reduced in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy()
+    whole = MixedPrecisionPolicy()
+    block = whole
     if amp_dtype != torch.float32:
-        policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
-    for block in blocks_of(module):
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-    fully_shard(module, mesh=dp_mesh, mp_policy=policy)
+        block = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        whole = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+    def shard(module: nn.Module, root: bool) -> None:
+        fully_shard(module, mesh=dp_mesh, mp_policy=whole if root else block)
+
+    return shard
 
 
 def _pipeline(model: nn.Module, cfg: ParallelConfig, mesh: Mesh, amp_dtype: torch.dtype, device: torch.device,
-              common: dict) -> Pipelined:
+              common: dict, initial_value: Optional[InitialValue]) -> Pipelined:
     """Collective. This rank's pipeline stages of `model`, each parallelised by `parallelize_module`."""
     from mingpt.parallel.pipeline import build_pipeline
 
@@ -434,7 +469,7 @@ def _pipeline(model: nn.Module, cfg: ParallelConfig, mesh: Mesh, amp_dtype: torc
     permuted: dict[str, int] = {}
 
     def prepare(stage: nn.Module) -> nn.Module:
-        permuted.update(parallelize_module(stage, mesh, cfg, amp_dtype, device))
+        permuted.update(parallelize_module(stage, mesh, cfg, amp_dtype, device, initial_value))
         return stage
 
     pipeline = build_pipeline(model, mesh.device_mesh, device, schedule=cfg.pp_schedule,

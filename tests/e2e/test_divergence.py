@@ -36,7 +36,7 @@ def left_in(folder) -> dict[str, bool]:
     return found
 
 
-CPU_FSDP = pytest.mark.skipif(compat.TORCH < compat.CPU_FSDP_TORCH, reason="FSDP on a CPU needs torch 2.7")
+CPU_FSDP = pytest.mark.skipif(compat.TORCH < compat.FSDP_TORCH, reason="FSDP on a CPU needs torch 2.7")
 
 
 @pytest.mark.parametrize("nproc, strategy", [(None, "ddp"), (2, "ddp"), pytest.param(2, "fsdp", marks=CPU_FSDP)])

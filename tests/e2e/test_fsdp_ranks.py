@@ -22,18 +22,18 @@ def fsdp_args(snaps, run_dir) -> list[str]:
 
 
 @pytest.mark.oldest_torch
-@pytest.mark.skipif(compat.TORCH >= compat.CPU_FSDP_TORCH, reason="this torch runs FSDP on a CPU (the test below)")
-def test_fsdp_on_a_cpu_is_refused_in_one_line_by_a_torch_too_old_for_it(tmp_path):
+@pytest.mark.skipif(compat.TORCH >= compat.FSDP_TORCH, reason="this torch runs FSDP on a CPU (the test below)")
+def test_fsdp_is_refused_in_one_line_by_a_torch_too_old_for_it(tmp_path):
     result = run_cli(fsdp_args(tmp_path / "snaps", tmp_path / "run"), tmp_path, nproc=2)
     assert result.returncode != 0
     errors = error_lines(result.stderr)  # once for the job, from whichever rank failed first
-    assert errors == ["error: parallel_config.strategy=fsdp on a CPU needs torch 2.7 or newer; this is torch "
-                      f"{torch.__version__}"], result.stderr[-3000:]
+    assert errors == ["error: parallel_config.strategy=fsdp needs torch 2.7 or newer, the oldest release it is tested "
+                      f"on; this is torch {torch.__version__}"], result.stderr[-3000:]
     assert not (tmp_path / "snaps").exists() or not list((tmp_path / "snaps").iterdir())
 
 
 @pytest.mark.oldest_torch
-@pytest.mark.skipif(compat.TORCH < compat.CPU_FSDP_TORCH,
+@pytest.mark.skipif(compat.TORCH < compat.FSDP_TORCH,
                     reason="FSDP on a CPU needs torch 2.7 (refused in one line: above)")
 def test_two_ranks_save_shards_survive_a_kill_and_resume_on_one_and_three(tmp_path):
     # A worker SIGKILLed mid-run; torchrun restarts both, they resume from their shards: the weights of the same

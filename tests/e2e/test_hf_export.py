@@ -48,7 +48,7 @@ TRAINED = {
 
 
 @pytest.fixture(scope="module", params=[
-    "ddp", pytest.param("fsdp", marks=pytest.mark.skipif(compat.TORCH < compat.CPU_FSDP_TORCH,
+    "ddp", pytest.param("fsdp", marks=pytest.mark.skipif(compat.TORCH < compat.FSDP_TORCH,
                                                          reason="FSDP on a CPU needs torch 2.7"))])
 def trained(request, tmp_path_factory) -> tuple[Path, str, bool]:
     """A snapshot of the TRAINING model on tiny-shakespeare by two torchrun processes (gloo), the architecture it

@@ -36,7 +36,7 @@ from support import (
 from mingpt import compat
 from mingpt.checkpoint import store as snap
 
-pytestmark = pytest.mark.skipif(compat.TORCH < compat.CPU_FSDP_TORCH, reason="mesh layouts on a CPU need torch 2.7")
+pytestmark = pytest.mark.skipif(compat.TORCH < compat.FSDP_TORCH, reason="mesh layouts on a CPU need torch 2.7")
 TOLERANCE = 1e-4
 # Muon orthogonalises in bf16 (torch's Newton-Schulz): the last-bit differences of fp32 gradient reductions flip bf16
 # roundings, which the iteration carries into the update, ~5e-3 in 6 steps even between DDP and one process. The
