@@ -260,7 +260,7 @@ def eval_lockstep(val_data: Dataset, cfg: TrainerConfig, world_size: int) -> tup
     passes = -(-most_windows // (cfg.batch_size * EVAL_BATCH_FACTOR))
     if cfg.eval_batches is not None:
         passes = min(passes, cfg.eval_batches)
-    return passes, val_data.windows([0] * min(cfg.batch_size, len(val_data)))
+    return passes, val_data.windows([0] * min(cfg.batch_size * EVAL_BATCH_FACTOR, len(val_data)))
 
 
 class ScalerState:
@@ -449,8 +449,8 @@ class Trainer:
         self.train_loader = make_loader(train_data, self.sampler, cfg.batch_size, True, cfg, self.ctx.device)
         own_val_windows = range(data_rank, len(val_data), data_ranks)  # disjoint across replicas, no padding
         # Without gradients a window needs a fraction of the memory: evaluate EVAL_BATCH_FACTOR x larger batches.
-        self.val_loader = make_loader(val_data, own_val_windows, cfg.batch_size * EVAL_BATCH_FACTOR, False, cfg,
-                                      self.ctx.device)
+        self.eval_batch_size = cfg.batch_size * EVAL_BATCH_FACTOR
+        self.val_loader = make_loader(val_data, own_val_windows, self.eval_batch_size, False, cfg, self.ctx.device)
         self._eval_lockstep = eval_lockstep(val_data, cfg, data_ranks) if self.parallel.lockstep_eval else None
         self.global_batch = cfg.batch_size * cfg.grad_accum_steps * data_ranks  # windows per optimizer step
         self.tokens_per_step = self.global_batch * train_data[0][0].numel()
@@ -677,18 +677,30 @@ class Trainer:
             if self.cfg.eval_batches is not None and i >= self.cfg.eval_batches:
                 break
             x, y = self.split(windows)
-            loss = self.parallel.evaluate(x, y)
+            tokens = y.numel()
+            loss = self.parallel.evaluate(*self.eval_shaped(x, y))
             if loss is not None:  # under pipeline parallelism: on the last stage's ranks only
-                totals[0] += loss.double() * y.numel()
-                totals[1] += y.numel()
+                totals[0] += loss.double() * tokens
+                totals[1] += tokens
             done += 1
         if self._eval_lockstep is not None:
             passes, filler = self._eval_lockstep
             for _ in range(done, passes):
-                self.parallel.evaluate(*self.split(filler))
+                self.parallel.evaluate(*self.eval_shaped(*self.split(filler)))
         self.parallel.train(True)
         loss_sum, count = self.ctx.all_reduce(totals)
         return (loss_sum / count).item()
+
+    def eval_shaped(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A validation batch padded to the evaluation batch size, its padding's targets ignored by the loss (-100,
+        cross_entropy's ignore_index): one shape for every evaluation pass, so a compiled model compiles its
+        evaluation once, not again for the last, smaller batch (nor for lockstep fillers). Contiguous, as the padded
+        ones are: compiled code is specialised on strides too."""
+        missing = self.eval_batch_size - x.size(0)
+        if missing <= 0:
+            return x.contiguous(), y.contiguous()
+        x = torch.cat([x, x.new_zeros((missing, x.size(1)))])
+        return x, torch.cat([y, y.new_full((missing, y.size(1)), IGNORED_TARGET)])
 
     def _evaluate(self) -> float:
         """Collective. The validation loss, recorded, logged and written as a metrics row."""

@@ -135,7 +135,7 @@ def test_validation_runs_as_many_forward_passes_on_every_rank():
     for world_size in (1, 2, 3, 7):
         passes, filler = eval_lockstep(val, cfg, world_size)
         assert passes == -(-len(range(0, n, world_size)) // 32)
-        assert filler.shape == (8, 17)
+        assert filler.shape == (min(32, n), 17)  # an evaluation batch (padded where there are fewer windows)
     assert eval_lockstep(val, TrainerConfig(batch_size=8, eval_batches=1), 2)[0] == 1
 
 
