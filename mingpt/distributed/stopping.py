@@ -8,8 +8,9 @@ rank that cannot agree.
             if stop.agreed(): ...                      # True on every rank after the same step
 
 SIGTERM sets a flag in the main thread; the ranks must stop after the same step, or the ones left would wait
-forever in the next all-reduce. Agreeing takes one max-reduction of one flag per step, read one step later, so no
-step waits for a round trip (a stop lands one step later instead): StopVote all-reduces it in the background.
+forever in the next all-reduce. Agreeing takes one max-reduction of one flag per step, read VOTE_DEPTH steps later,
+so no step waits for a round trip and the host may run that many steps ahead of the GPU (a stop lands that many
+steps later instead): StopVote all-reduces it in the background, into buffers allocated once.
 """
 
 from __future__ import annotations
@@ -27,56 +28,78 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
+# Votes in flight: the result of a step's vote is read this many steps later. Enough for the host to run a few
+# steps ahead of the device, few enough that a stop after SIGTERM (torchrun, SLURM: 30 s or more) lands in time.
+VOTE_DEPTH = 3
+
+
+class _Ballot:
+    """One vote's buffers, reused: the flag on the device, its all-reduce, and (on CUDA) its pinned host copy and
+    the event that says the copy is done."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.on_device = torch.zeros(1, dtype=torch.int32, device=device)
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(1, dtype=torch.int32, pin_memory=True) if cuda else self.on_device
+        self.copied = torch.cuda.Event() if cuda else None
+        self.work: Optional[dist.Work] = None
+        self.cast = False  # a vote was started in it and not read yet
+
 
 class StopVote:
-    """The stop flags of all ranks, max-reduced in the background: `cast(flag)` returns the result of the
-    previous call's flags, which every rank receives after the same step.
+    """The stop flags of all ranks, max-reduced in the background: `cast(flag)` returns the result of the flags
+    cast VOTE_DEPTH calls before, which every rank receives after the same step (False for the first calls).
 
     On CPU the flag goes through the default (gloo) group. On CUDA it goes through NCCL like the gradients (no second
     transport): a side stream waits for the all-reduce and copies the flag to pinned host memory, so neither the
-    training stream nor the host waits; one step later the copy's event has long completed."""
+    training stream nor the host waits; VOTE_DEPTH steps later the copy's event has long completed. Every buffer is
+    allocated once (no pinned allocation per step, which would synchronise the device)."""
 
-    def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup] = None,
+                 depth: int = VOTE_DEPTH) -> None:
         self.device = device
         self.group = group
         self.cuda = device.type == "cuda"
         self.side_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.pending: Optional[tuple[Optional[dist.Work], torch.Tensor, Optional[torch.cuda.Event]]] = None
+        self.ballots = [_Ballot(device) for _ in range(depth)]
+        self.calls = 0
 
     def cast(self, flag: bool) -> bool:
-        agreed = self._result()
-        self.pending = self._start(flag)
+        ballot = self.ballots[self.calls % len(self.ballots)]
+        self.calls += 1
+        agreed = self._result(ballot)
+        self._start(ballot, flag)
         return agreed
 
     def finish(self) -> None:
-        """Wait for the vote in flight (before the job's next collectives or its teardown)."""
-        self._result()
+        """Wait for the votes in flight (before the job's next collectives or its teardown)."""
+        for ballot in self.ballots:
+            self._result(ballot)
 
-    def _start(self, flag: bool) -> tuple:
+    def _start(self, ballot: _Ballot, flag: bool) -> None:
+        ballot.on_device.fill_(int(flag))  # a kernel on the device, no host copy
+        ballot.cast = True
         if not self.cuda:
-            value = torch.tensor([int(flag)], dtype=torch.int32)
-            return dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group, async_op=True), value, None
-        on_device = torch.full((1,), int(flag), dtype=torch.int32, device=self.device)  # a kernel, no host copy
-        work = dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        host = torch.empty(1, dtype=torch.int32).pin_memory()
-        done = torch.cuda.Event()
+            ballot.work = dist.all_reduce(ballot.on_device, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            return
+        self.side_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the fill
         with torch.cuda.stream(self.side_stream):
-            work.wait()  # the side stream (not the training stream) waits for NCCL
-            host.copy_(on_device, non_blocking=True)
-            on_device.record_stream(self.side_stream)
-            done.record(self.side_stream)
-        return None, host, done
+            # NCCL runs on its own stream; wait() makes the side stream (not the training stream) wait for it
+            dist.all_reduce(ballot.on_device, op=dist.ReduceOp.MAX, group=self.group, async_op=True).wait()
+            ballot.host.copy_(ballot.on_device, non_blocking=True)
+            ballot.copied.record(self.side_stream)
+        # the next fill of this buffer, VOTE_DEPTH steps on, is ordered after the copy by the event read before it
 
-    def _result(self) -> bool:
-        if self.pending is None:
+    def _result(self, ballot: _Ballot) -> bool:
+        if not ballot.cast:
             return False
-        work, value, done = self.pending
-        self.pending = None
-        if work is not None:
-            work.wait()
-        if done is not None:
-            done.synchronize()
-        return bool(value.item())
+        ballot.cast = False
+        if ballot.work is not None:
+            ballot.work.wait()
+            ballot.work = None
+        if ballot.copied is not None:
+            ballot.copied.synchronize()
+        return bool(ballot.host.item())
 
 
 class StopRequest:

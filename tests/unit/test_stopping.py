@@ -41,3 +41,24 @@ def test_close_without_a_signal_ends_the_watcher_and_restores_the_wakeup_fd() ->
     deadline._thread.join(5)
     assert not deadline._thread.is_alive()
     assert signal.set_wakeup_fd(before) == before
+
+
+def test_the_stop_vote_is_read_vote_depth_steps_later_from_buffers_made_once() -> None:
+    """Each step's flag is all-reduced in the background and its result read VOTE_DEPTH steps later (the host never
+    waits for the step it has just cast), in the same buffers every time."""
+    import torch
+    import torch.distributed as dist
+
+    from mingpt.distributed.stopping import VOTE_DEPTH, StopVote
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        vote = StopVote(torch.device("cpu"), dist.group.WORLD)
+        buffers = [ballot.on_device.data_ptr() for ballot in vote.ballots]
+        flags = [False, False, True, False, False, False, False, False]
+        results = [vote.cast(flag) for flag in flags]
+        vote.finish()
+        assert results == [False] * (2 + VOTE_DEPTH) + [True] + [False] * (len(flags) - 3 - VOTE_DEPTH)
+        assert [ballot.on_device.data_ptr() for ballot in vote.ballots] == buffers and len(buffers) == VOTE_DEPTH
+    finally:
+        dist.destroy_process_group()
