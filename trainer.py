@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 DIVERGENCE_ACTIONS = ("stop", "rollback")
 EVAL_BATCH_FACTOR = 4
+IGNORED_TARGET = -100  # F.cross_entropy's default ignore_index: padding the loss does not count
 
 
 @dataclass
@@ -305,10 +306,12 @@ class LossWindow:
         self.restart_clock(step)  # this process's steps and time since then: the speed
         self.grad_norm: Optional[torch.Tensor] = None
 
-    def add(self, loss: Optional[torch.Tensor]) -> None:
-        """A micro-batch's loss (on the device: nothing waits for it); None on a rank that computes none."""
+    def add(self, loss: Optional[torch.Tensor], skip: Optional[torch.Tensor] = None) -> None:
+        """A micro-batch's loss (on the device: nothing waits for it); None on a rank that computes none. With
+        `skip` (the step's flag on the device, 1: skipped), a skipped step's loss adds 0 (the trainer takes its
+        count out once it reads the flag)."""
         if loss is not None:
-            self.loss_sum += loss
+            self.loss_sum += loss if skip is None else loss.nan_to_num(0.0, 0.0, 0.0) * (1 - skip)
         self.count += 1
 
     def restart_clock(self, step: int) -> None:
@@ -357,30 +360,65 @@ class NonFiniteSteps:
     The gradient norm is global already (DDP's all-reduced gradients, FSDP's and the pipeline's reduced norm), but a
     fault may hit one rank's gradients after their reduction or its loss alone: one small all-reduce of both flags
     agrees. Under fp16 the gradients are the scaler's: an overflow there is its own skip (and a smaller scale), as
-    GradScaler does it; only a non-finite loss is skipped here."""
+    GradScaler does it; only a non-finite loss is skipped here.
 
-    def __init__(self, ctx: DistContext, enabled: bool, limit: int, checks_gradients: bool) -> None:
+    `on_device` (every optimizer is fused AdamW and no fp16 scaler runs: the default): the agreed flags never reach
+    the host during a step. The optimizer skips on the device, and the flags of the steps since are read in one go
+    when the trainer next reads anything (`settle`: a log line, an evaluation, a snapshot, the end), so the counts,
+    the streak and a divergence are known from then. Otherwise (Muon, fp16) each step's flags are read at once."""
+
+    def __init__(self, ctx: DistContext, enabled: bool, limit: int, checks_gradients: bool, on_device: bool) -> None:
         self.ctx, self.enabled, self.limit, self.checks_gradients = ctx, enabled, limit, checks_gradients
+        self.on_device = enabled and on_device
         self.total = 0  # skipped in the whole run (saved in snapshots)
-        self.streak = 0  # skipped in a row up to the last step
+        self.streak = 0  # skipped in a row up to the last step read
         self.what = ""  # what was not finite at the last skipped step
+        self.last_skipped: Optional[int] = None  # the last step read, if it was skipped (its number, 1-based)
+        self._pending: list[tuple[int, torch.Tensor | list[float], int]] = []  # (step, flags, its losses), unread
 
-    def take(self, losses: list[torch.Tensor], grad_norm: Optional[torch.Tensor]) -> bool:
-        """Collective. Whether every rank takes this step (True) or every rank skips it."""
+    def verdict(self, losses: list[torch.Tensor], grad_norm: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Collective. The flags every rank agrees on for this step, on the device: (loss, gradient norm) not finite
+        on some rank, 1.0 or 0.0 each; None when the check is off."""
         if not self.enabled:
-            return True
+            return None
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), device=self.ctx.device)
         checked = grad_norm is not None and self.checks_gradients
         gradient = grad_norm if checked else torch.zeros((), device=loss_sum.device)
         flags = torch.stack([~torch.isfinite(loss_sum.float()), ~torch.isfinite(gradient.float())]).float()
-        loss_bad, gradient_bad = self.ctx.all_reduce(flags, dist.ReduceOp.MAX).tolist()  # the one host read
-        if not (loss_bad or gradient_bad):
-            self.streak = 0
-            return True
-        self.total += 1
-        self.streak += 1
-        self.what = " and ".join(name for name, bad in (("loss", loss_bad), ("gradient norm", gradient_bad)) if bad)
-        return False
+        return self.ctx.all_reduce(flags, dist.ReduceOp.MAX)
+
+    def read_now(self, step: int, verdict: torch.Tensor) -> bool:
+        """The verdict read on the host at once (Muon, fp16): whether the step is taken. Counted by `settle`."""
+        flags = verdict.tolist()  # the host read
+        self._pending.append((step, flags, 0))
+        return not any(flags)
+
+    def defer(self, step: int, verdict: torch.Tensor, losses_added: int) -> None:
+        """The verdict of a step skipped (or not) on the device, to be read at the next `settle`; `losses_added`:
+        the micro-batches the loss window counted for it (taken out again if it was skipped)."""
+        self._pending.append((step, verdict, losses_added))
+
+    def settle(self) -> list[tuple[int, int]]:
+        """The verdicts not read yet, read in one go and counted; returns the skipped steps among them, each with
+        the micro-batches the loss window counted for it."""
+        if not self._pending:
+            return []
+        tensors = [flags for _, flags, _ in self._pending if isinstance(flags, torch.Tensor)]
+        read = iter(torch.stack(tensors).tolist() if tensors else [])  # one host read for all of them
+        skipped = []
+        for step, flags, losses_added in self._pending:
+            loss_bad, gradient_bad = next(read) if isinstance(flags, torch.Tensor) else flags
+            if not (loss_bad or gradient_bad):
+                self.streak, self.last_skipped = 0, None
+                continue
+            self.total += 1
+            self.streak += 1
+            self.last_skipped = step
+            self.what = " and ".join(name for name, bad in (("loss", loss_bad), ("gradient norm", gradient_bad))
+                                     if bad)
+            skipped.append((step, losses_added))
+        self._pending.clear()
+        return skipped
 
     @property
     def diverged(self) -> bool:
@@ -425,7 +463,8 @@ class Trainer:
         self._batches: Optional[Iterator] = None
         self.window = LossWindow(self.ctx, counted=parallel.computes_loss)
         self.nonfinite = NonFiniteSteps(self.ctx, cfg.skip_nonfinite_steps, cfg.max_skipped_steps,
-                                        checks_gradients=self.amp_dtype != torch.float16)
+                                        checks_gradients=self.amp_dtype != torch.float16,
+                                        on_device=self.optimizers.skip_on_device and not self.scaler.is_enabled())
         self.checkpoints = self._checkpointer(snapshots, snapshot_metadata or {})
         self.stop = StopRequest(self.ctx.rank, self.ctx.device, self.ctx.group, cfg.stop_timeout_s,
                                 self.checkpoints.finish_quietly)
@@ -515,6 +554,8 @@ class Trainer:
     def _train_until_done(self) -> None:
         while self.step < self.total_steps:
             self.train_step()
+            if self._settles_now():
+                self.settle()
             if self.nonfinite.diverged:
                 self._diverged(f"{self.nonfinite.streak} steps in a row had a non-finite {self.nonfinite.what}")
                 continue  # rolled back (or raised)
@@ -522,6 +563,7 @@ class Trainer:
             if not self._after_step():
                 continue  # rolled back
             if self.stop.agreed():
+                self.settle()
                 self.stopped_early = True
                 log.warning("stop requested (SIGTERM) after step %d: saving a snapshot and exiting", self.step)
                 self._save("stop requested")
@@ -555,19 +597,45 @@ class Trainer:
         if self.cfg.grad_norm_clip > 0 or self.nonfinite.enabled:
             grad_norm = self.parallel.clip_grad_norm(self.cfg.grad_norm_clip or None)
             self.window.grad_norm = grad_norm
-        if self.nonfinite.take([loss for loss in losses if loss is not None], grad_norm):
+        verdict = self.nonfinite.verdict([loss for loss in losses if loss is not None], grad_norm)
+        if verdict is not None and self.nonfinite.on_device:  # skipped, if it is, without the host reading it
+            skip = verdict.amax()
+            for loss in losses:
+                self.window.add(loss, skip)
+            self.optimizers.step(skip=skip)
+            self.nonfinite.defer(self.step + 1, verdict, len(losses))
+        elif verdict is None or self.nonfinite.read_now(self.step + 1, verdict):
             for loss in losses:
                 self.window.add(loss)
             self.optimizers.step(self.scaler)  # skipped by the scaler when fp16 gradients overflowed
-            self.checkpoints.held = None
-        else:  # every rank skips it: the weights and optimizer state stay as they were
-            self.window.skipped += 1
-            self.checkpoints.held = f"step {self.step + 1} was skipped (non-finite {self.nonfinite.what})"
+        # else every rank skips it: the weights and optimizer state stay as they were
         self.scaler.update()  # after unscale_ alone too: an fp16 overflow lowers the scale either way
         self.optimizers.zero_grad(set_to_none=True)
         self.step += 1
         self.epoch_samples += self.global_batch
         self._last_lr = self.optimizers.param_groups[0]["lr"]
+        if not self.nonfinite.on_device:
+            self.settle()  # read already: counted at once
+
+    def settle(self) -> None:
+        """The non-finite verdicts of the steps since the last call, read in one go (with every optimizer fused, the
+        steps were skipped on the device without them): counted, skipped steps' losses taken out of the window,
+        and a state whose last step was skipped held back from snapshots. Due before anything reads those (the log
+        line, an evaluation, a snapshot, the end of the run)."""
+        for _, losses_added in self.nonfinite.settle():
+            self.window.skipped += 1
+            self.window.count -= losses_added
+        skipped = self.nonfinite.last_skipped
+        self.checkpoints.held = (f"step {skipped} was skipped (non-finite {self.nonfinite.what})"
+                                 if skipped is not None and skipped == self.step else None)
+
+    def _settles_now(self) -> bool:
+        """Whether the step just taken is read (`settle`) now: a log line, an evaluation or a snapshot may follow,
+        or the epoch or the run ends."""
+        cfg, step = self.cfg, self.step
+        return (step == self.total_steps or step % cfg.log_every_steps == 0 or self._steps_left_in_epoch() == 0
+                or bool(cfg.eval_every_steps and step % cfg.eval_every_steps == 0)
+                or bool(cfg.save_every_steps and step % cfg.save_every_steps == 0))
 
     def epoch_batches(self) -> Iterator[torch.Tensor]:
         """The (B, T+1) window batches of the rest of the current epoch, as training consumes them."""

@@ -10,6 +10,7 @@ index pickles) stay where they are used; docs/private-interfaces.md lists them a
     dcp.save(state, **dcp_alone(group))      # DCP's keywords for a group, or for this process alone (None)
     abort_process_group()                    # a failed rank leaves its NCCL communicators without waiting for peers
     sharded_gradient_scaler(device, group)   # fp16 under FSDP: an overflow agreed across ranks, for fused AdamW
+    step_unless(optimizer, skip)             # a fused AdamW step skipped on the device (skips_on_device: can it?)
     cpu_has_native_bf16()                    # bf16 in hardware on this CPU (mixed_precision=auto)
 """
 
@@ -142,6 +143,30 @@ def sharded_gradient_scaler(device: torch.device, group: Any) -> torch.amp.GradS
         raise UsageError(f"mixed_precision=fp16 under FSDP needs GradScaler internals that torch {torch.__version__} "
                          f"lacks (an overflow agreed across ranks): use mixed_precision=bf16")
     return scaler
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` can be told to skip a step on the device (`step_unless`): torch's fused Adam and AdamW,
+    which honour the overflow flag GradScaler hands them. Where the marker is missing: no (steps are decided on the
+    host, as for Muon)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        group.get("fused") for group in optimizer.param_groups)
+
+
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """`optimizer.step()`, skipped on the device where `skip` (a ()-shaped float on the parameters' device) is 1:
+    no update, no weight decay, the step counts unchanged, and no host synchronisation.
+
+    Private interface: the `found_inf` attribute GradScaler sets on optimizers that declare
+    `_step_supports_amp_scaling` (torch/amp/grad_scaler.py, GradScaler.step: "add two Tensor attributes of
+    `grad_scale` and `found_inf` to the passed optimizer"), read by torch/optim/adam.py's step and honoured by
+    `_fused_adam` (the kernel returns early where the flag is 1, then the step counts are decremented by it); seen
+    in torch 2.6 to 2.13. Only called where `skips_on_device` says the optimizer declares it."""
+    optimizer.found_inf = skip
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def cpu_has_native_bf16() -> bool:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from mingpt import compat
 from mingpt.errors import UsageError
 
 OPTIMIZERS = ("adamw", "muon")
@@ -182,10 +183,18 @@ class Optimizers:
         for optimizer in self.optimizers:
             scaler.unscale_(optimizer)
 
-    def step(self, scaler: Optional[torch.amp.GradScaler] = None) -> None:
-        """Each optimizer's step (through the fp16 scaler when one is given: skipped on an overflow)."""
+    @property
+    def skip_on_device(self) -> bool:
+        """Whether every optimizer can skip a step on the device (fused AdamW; not Muon)."""
+        return all(compat.skips_on_device(optimizer) for optimizer in self.optimizers)
+
+    def step(self, scaler: Optional[torch.amp.GradScaler] = None, skip: Optional[torch.Tensor] = None) -> None:
+        """Each optimizer's step: through the fp16 scaler when one is given (skipped on an overflow), or with `skip`
+        (a flag on the device, 1: skip; only where `skip_on_device`) skipped without the host reading it."""
         for optimizer in self.optimizers:
-            if scaler is None:
+            if skip is not None:
+                compat.step_unless(optimizer, skip)
+            elif scaler is None:
                 optimizer.step()
             else:
                 scaler.step(optimizer)

@@ -139,6 +139,46 @@ def test_fp16_under_fsdp_is_one_line_where_the_scaler_keeps_no_per_optimizer_sta
     assert str(refused.value).endswith(": use mixed_precision=bf16") and "\n" not in str(refused.value)
 
 
+def test_a_non_finite_step_is_skipped_on_the_host_where_adamw_announces_no_device_skip(monkeypatch):
+    """Fused AdamW announces that it takes GradScaler's overflow flag (`_step_supports_amp_scaling`): the trainer's
+    non-finite steps are then skipped on the device. Where a torch announces it no more, each step's flags are read on
+    the host first: the same step is skipped, counted once, and nothing moves at it."""
+    from support import make_trainer
+
+    trainer = make_trainer(max_steps=6, log_every_steps=3)
+    assert trainer.nonfinite.on_device and trainer.optimizers.skip_on_device
+    init = torch.optim.AdamW.__init__
+
+    def init_without_the_marker(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        del self._step_supports_amp_scaling  # a torch where the private attribute moved
+
+    monkeypatch.setattr(torch.optim.AdamW, "__init__", init_without_the_marker)
+    trainer = make_trainer(max_steps=6, log_every_steps=3)
+    assert not trainer.nonfinite.on_device
+    finish = trainer.parallel.finish_gradients
+    params = list(trainer.parallel.modules[0].parameters())
+    moved = []
+
+    def poisoned() -> None:
+        finish()
+        if trainer.step == 2:
+            moved.append([p.detach().clone() for p in params])
+            params[0].grad[0, 0] = float("nan")
+
+    trainer.parallel.finish_gradients = poisoned
+    train_step = trainer.train_step
+
+    def watched() -> None:
+        train_step()
+        if trainer.step == 3:
+            moved[0] = any(not torch.equal(a, b) for a, b in zip(moved[0], params))
+
+    trainer.train_step = watched
+    trainer.fit()
+    assert moved == [False] and trainer.nonfinite.total == 1 and trainer.step == 6
+
+
 def test_the_silenced_dtensor_logger_is_the_one_that_logs_the_hints():
     """parallelize.py sets this logger to ERROR under tensor parallelism. Where the module is gone the name is an
     unused logger (nothing fails, the hints show again): then there is nothing to check."""

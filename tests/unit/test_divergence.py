@@ -35,9 +35,10 @@ def weights(trainer) -> list[torch.Tensor]:
 
 def test_a_run_that_diverges_before_its_first_snapshot_stops_at_its_starting_point(tmp_path):
     """The stop names the starting point, written as a snapshot only now; a relaunch with a sane rate resumes from
-    it and trains exactly as a fresh run does."""
+    it and trains exactly as a fresh run does. The steps were skipped on the device (fused AdamW) and their flags
+    read at the next log line: the streak is 10 or more there."""
     diverging = make_trainer(tmp_path / "run", snapshots=tmp_path / "s", **EXPLODING)
-    with pytest.raises(Diverged, match=r"^training diverged at step \d+: 10 steps in a row had a non-finite "
+    with pytest.raises(Diverged, match=r"^training diverged at step \d+: (1\d) steps in a row had a non-finite "
                                        r"(loss|gradient norm|loss and gradient norm); the newest good snapshot is "
                                        r".*snapshot-000000000\.pt; lower optimizer_config\.learning_rate \(peak 1e\+03 "
                                        r"now\), or set trainer_config\.grad_norm_clip \(0 now\), or set "
@@ -191,3 +192,27 @@ def test_the_end_of_a_run_with_non_finite_weights_has_no_plot_or_sample(tmp_path
         main.report_results(trainer, model, None, tmp_path)  # no plotter started, no multinomial traceback
     assert "no loss plot or sample: the weights are not finite (transformer.wte.weight" in caplog.text
     assert not (tmp_path / "loss.png").exists()
+
+
+def test_a_step_reads_nothing_back_from_the_device(monkeypatch):
+    """The default path (fused AdamW, the non-finite check on) hands the ranks' verdict to the optimizer on the
+    device: no tensor is read on the host inside a step (on a GPU each read would wait for the step to finish), only
+    when the loop settles at a log line, an evaluation or a snapshot."""
+    trainer = make_trainer(max_steps=8, log_every_steps=4, eval_every_steps=0)
+    reads: list[int] = []
+    item, tolist = torch.Tensor.item, torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(trainer.step) or item(self))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(trainer.step) or tolist(self))
+    in_step = []
+    train_step = trainer.train_step
+
+    def counted() -> None:
+        before = len(reads)
+        train_step()
+        in_step.append(len(reads) - before)
+
+    monkeypatch.setattr(trainer, "train_step", counted)
+    trainer.fit()
+    assert trainer.nonfinite.on_device and trainer.step == 8
+    assert in_step == [0] * 8  # not one read inside a step
+    assert reads and set(reads) <= {4, 8}  # the settles, log lines and the end

@@ -453,9 +453,9 @@ def first_step(strategy: str, **settings) -> tuple[float, dict[str, torch.Tensor
     losses, gradients = [], {}
     add, take_step = trainer.window.add, trainer.optimizers.step
 
-    def record_loss(loss) -> None:
+    def record_loss(loss, skip=None) -> None:
         losses.append(float(loss))
-        add(loss)
+        add(loss, skip)
 
     def step(*args, **kwargs) -> None:
         gradients.update((name, (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone())

@@ -106,6 +106,7 @@ def nonfinite_skip(ctx: DistContext, layouts: tuple[str, ...]) -> dict:
             train_step()
             if trainer.step == POISONED_STEP + 1:
                 after = digest(trainer)
+        trainer.settle()  # the verdicts of steps skipped on the device, read (the loop does it before a log line)
         ends = [None] * dist.get_world_size()
         dist.all_gather_object(ends, (trainer.nonfinite.total, digest(trainer), bool(torch.isfinite(
             torch.stack([t.float().abs().max() for _, t in trainer.parallel.whole_tensors()])).all())))
