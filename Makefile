@@ -33,11 +33,12 @@ clean:
 # Wheels for a GPU machine without internet that has its own CUDA torch (and numpy, fsspec, tqdm, tensorboard,
 # matplotlib, safetensors, pytest, pyyaml, packaging): what else main.py imports, i.e. hydra-core and omegaconf at
 # requirements.txt's pins and hydra's parser runtime (antlr4-python3-runtime==4.9.*, an sdist only on PyPI: built
-# here as a pure-Python wheel), for CPython 3.12 on manylinux x86_64. s3fs is left out: only s3:// paths load it.
-# Copy .whl/ next to gpu_check.sh there; the script installs it into a temporary folder (never into that torch).
-GPU_WHEELS = .whl
-GPU_PLATFORMS = --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
-	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+# here as a pure-Python wheel). s3fs is left out: only s3:// paths load it. All three are pure Python (py3-none-any,
+# any CPython 3), 0.4 MB together, and committed in .gpu-wheels/ so that every copy of the working tree carries them
+# (a lent machine gets the tracked files, no network); gpu_check.sh installs them into a temporary folder (never
+# into that torch). Run this after a change of requirements.txt's pins and commit the folder
+# (tests/e2e/test_gpu_check.py fails while it holds other versions).
+GPU_WHEELS = .gpu-wheels
 ANTLR4 = antlr4-python3-runtime==4.9.3
 
 .PHONY: gpu-wheels
@@ -46,6 +47,7 @@ gpu-wheels:
 	@pins=$$(grep -oE '^(hydra-core|omegaconf)==[^ #]+' requirements.txt); \
 	test "$$(echo $$pins | wc -w)" = 2 || { echo "error: requirements.txt pins no hydra-core==/omegaconf==" >&2; exit 1; }; \
 	echo "pip download" $$pins; \
-	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: $(GPU_PLATFORMS) -d $(GPU_WHEELS) $$pins
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d $(GPU_WHEELS) $$pins
 	$(PYTHON) -m pip wheel -q --no-deps --no-binary=:all: -w $(GPU_WHEELS) $(ANTLR4)
+	@test "$$(ls $(GPU_WHEELS)/*-py3-none-any.whl | wc -l)" = 3 || { echo "error: not 3 pure-Python wheels" >&2; exit 1; }
 	@ls $(GPU_WHEELS) && du -sh $(GPU_WHEELS)
