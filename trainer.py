@@ -602,11 +602,13 @@ class Trainer:
             skip = verdict.amax()
             for loss in losses:
                 self.window.add(loss, skip)
+            self.window.exclude(self.checkpoints.before_update())  # a snapshot still copying the weights finishes first
             self.optimizers.step(skip=skip)
             self.nonfinite.defer(self.step + 1, verdict, len(losses))
         elif verdict is None or self.nonfinite.read_now(self.step + 1, verdict):
             for loss in losses:
                 self.window.add(loss)
+            self.window.exclude(self.checkpoints.before_update())
             self.optimizers.step(self.scaler)  # skipped by the scaler when fp16 gradients overflowed
         # else every rank skips it: the weights and optimizer state stay as they were
         self.scaler.update()  # after unscale_ alone too: an fp16 overflow lowers the scale either way

@@ -21,8 +21,10 @@ the datasheet peak, so on a GPU it reads MFU 15-30% high: the output says which 
 
 Every result has the training state one rank holds (`state_bytes_per_rank`: parameters, gradients, optimizer
 state; under FSDP its shards) and the largest rank's peak memory (CUDA max allocated on a GPU, peak RSS on a CPU).
-With `--snapshots`, the time training is blocked per save and the time until the save is complete (sharded: every
-rank writing its shards, rank 0 committing last).
+With `--snapshots`, each save between two steps: the time training is blocked per save (in `save()` and waiting for
+its copy to host memory before the next optimizer step), every rank's stall (the save and the next step beyond its
+median step), and the time until the save is complete (sharded: every rank writing its shards, rank 0 committing
+last).
 
 `--baseline nanogpt` also times nanoGPT's training loop (as its train.py runs on a CPU) around the same model,
 alternating one step of each, and reports the median of the per-pair time ratios. On a machine whose speed drifts
@@ -236,21 +238,34 @@ def time_scaling(trainer: Trainer, solo: Optional[Trainer], steps: int) -> tuple
     return together, alone
 
 
-def time_snapshots(trainer: Trainer, saves: int) -> dict:
-    """Training-thread time per snapshot (what blocks training) and the background write time."""
-    blocked, total = [], []
+def time_snapshots(trainer: Trainer, saves: int, step_s: float) -> dict:
+    """Each save between two steps, as in training: the training thread's time the snapshot costs
+    (Checkpointer.blocked_s: in save() and waiting for its staging copy before the next optimizer step; none on a
+    rank that does not write), the save with the step after it (beyond this rank's median step `step_s`: its stall,
+    which under DDP reaches every rank through that step's all-reduce), and the time until the snapshot is
+    complete (the next step running meanwhile). Collective: rank 0's numbers, with every rank's stall."""
+    checkpoints = trainer.checkpoints
+    blocked, around, total = [], [], []
     for _ in range(saves):
         trainer.train_step()
+        saved_before = len(checkpoints.blocked_s)
         start = time.perf_counter()
-        trainer.checkpoints.save(trainer.step, "benchmark")
-        blocked.append(time.perf_counter() - start)
-        trainer.checkpoints.wait()
+        checkpoints.save(trainer.step, "benchmark")
+        trainer.train_step()  # its update waits for a staging copy still reading the weights
+        around.append(time.perf_counter() - start)
+        checkpoints.wait()
         total.append(time.perf_counter() - start)
+        blocked.append(sum(checkpoints.blocked_s[saved_before:]))  # read after the step: its wait is added there
+    stalls = trainer.ctx.gather_objects({"rank": trainer.ctx.rank, "blocked_s": [round(b, 4) for b in blocked],
+                                         "stall_s": [round(a - step_s, 4) for a in around]})
     return {
-        "location": trainer.checkpoints.location,
+        "location": checkpoints.location,
         "saves": saves,
         "blocked_s_median": round(statistics.median(blocked), 4),
+        "blocked_s": [round(b, 4) for b in blocked],
+        "save_and_next_step_s_median": round(statistics.median(around), 4),
         "written_s_median": round(statistics.median(total), 4),
+        "ranks": [{**rank, "stall_s_median": round(statistics.median(rank["stall_s"]), 4)} for rank in stalls],
     }
 
 
@@ -285,7 +300,7 @@ def time_training(args, cfg, corpus: CharCorpus, ctx: DistContext, trainer: Trai
 def timed_config(cfg, args: argparse.Namespace):
     """The config of the timed trainer: its schedule spans exactly the benchmark's steps, and its snapshots (with
     --snapshots) go to a temporary folder unless a snapshot_path was given."""
-    steps = args.warmup + args.steps + args.snapshots + 1
+    steps = args.warmup + args.steps + 2 * args.snapshots + 1  # a step before and after each save
     location = cfg.trainer_config.snapshot_path
     if args.snapshots and (location == TrainerConfig().snapshot_path or not location):
         location = tempfile.mkdtemp(prefix="bench-snapshots-")
@@ -304,7 +319,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> Optional[dict]:
         cfg = timed_config(cfg, args)
         trainer = main.build_trainer(cfg, corpus, ctx, run_dir=None, with_snapshots=bool(args.snapshots))
         times, comparison = time_training(args, cfg, corpus, ctx, trainer)
-        snapshot = time_snapshots(trainer, args.snapshots) if args.snapshots else None
+        snapshot = time_snapshots(trainer, args.snapshots, statistics.median(times)) if args.snapshots else None
         memory = memory_per_rank(trainer)  # collective: every rank's, the largest reported
         result = None
         if ctx.is_main:

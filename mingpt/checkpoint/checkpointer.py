@@ -7,12 +7,14 @@
 
 The trainer hands it stateful objects (anything with `state_dict()` and `load_state_dict()`) under the keys they
 take in a snapshot; it knows nothing of their contents. Every rank calls `state_dict()` (a state may need a
-collective to assemble). Unsharded (ddp): global rank 0 copies the result to CPU memory and a background writer
-serialises, checksums, writes one file atomically and prunes. Sharded (fsdp): every rank copies its shards and
-its background writer saves them with the others' (sharded.py). Either kind of snapshot restores into either kind
-of run: a sharded one is loaded into what the stateful objects' `named_state_dict()` holds (their shards or full
-tensors), through DCP. What a snapshot is (bytes, storage, validation, the newest valid one) stays in store.py
-and sharded.py.
+collective to assemble). Unsharded (ddp): global rank 0 stages the result into host memory (store.HostStaging:
+reused buffers, asynchronous copies) and a background writer serialises, checksums, writes one file atomically and
+prunes. Sharded (fsdp): every rank stages its shards alike and its background writer saves them with the others'
+(sharded.py). The tensors a `state_dict()` returns are the live ones: they may change in place only in the
+optimizer step, which the trainer announces with `before_update()`, or in a load; either first waits for a staging
+copy still reading them. Either kind of snapshot restores into either kind of run: a sharded one is loaded into
+what the stateful objects' `named_state_dict()` holds (their shards or full tensors), through DCP. What a snapshot
+is (bytes, storage, validation, the newest valid one) stays in store.py and sharded.py.
 """
 
 from __future__ import annotations
@@ -82,13 +84,17 @@ class Checkpointer:
                  stateful: dict[str, Stateful], sharded: bool = False, exit_wait_s: float = 15.0) -> None:
         self.store, self.metadata, self.cadence, self.ctx = store, metadata, cadence, ctx
         self.stateful, self.sharded, self.exit_wait_s = stateful, sharded, exit_wait_s
-        self.blocked_s: list[float] = []  # training-thread time per snapshot, for reports and bench.py
+        # Training-thread time per snapshot, for reports and bench.py: in save(), and waiting for its staging copy
+        # later (before the next optimizer step, a load, the end).
+        self.blocked_s: list[float] = []
         # Why the state may not be saved now (the trainer's: its last step was skipped as non-finite); None: it may.
         self.held: Optional[str] = None
         self._restored: Optional[str] = None  # the snapshot this run resumed from
         self._starting_point: Optional[tuple[int, dict]] = None  # a fresh run's first state (keep_starting_point)
         self._last_saved_step = -1  # the last step a save was asked for (and done, or refused)
         self._writer: Optional[snapshot_lib.BackgroundWriter | ShardedWriter] = None
+        self._staging = snapshot_lib.HostStaging()  # the host buffers every save of this rank reuses
+        self._staged: Optional[snapshot_lib.StagedState] = None  # the newest save's copy, maybe still reading
         self._group: Any = None  # the snapshot threads' gloo group, made at the first sharded save or load
 
     @property
@@ -127,15 +133,35 @@ class Checkpointer:
             self._not_written(step, f"{not_finite} is not finite")
             return 0.0
         if not writes:
-            return 0.0
+            return 0.0  # nothing here waits for the writing ranks' copies: under DDP the others go straight on
+        self._done_reading()
         start = time.perf_counter()
-        state = snapshot_lib.cpu_copy(states)  # the only part that blocks training
         self._writer = self._writer or self._new_writer()
-        self._writer.submit(name, state, self.metadata, self.ctx.world_size, reason,
+        self._writer.make_room()  # the previous save is done with the host buffers this one reuses
+        self._staged = self._staging.stage(states)  # copies queued or started; the writer waits for them
+        self._writer.submit(name, self._staged, self.metadata, self.ctx.world_size, reason,
                             functools.partial(self._after_commit, name, step, best_val_loss))
         blocked = time.perf_counter() - start
         self.blocked_s.append(blocked)
         return blocked
+
+    def before_update(self) -> float:
+        """Before the optimizer changes the live tensors in place: a snapshot still copying them is done reading.
+        Returns the seconds the calling thread waited for it."""
+        return self._done_reading()
+
+    def _done_reading(self) -> float:
+        """Before the live state may change (an update, a load) or the run ends: the newest save's staging copy has
+        read it. A wait here is that save's: added to its blocked_s. Returns the seconds waited."""
+        staged = self._staged
+        if staged is None:
+            return 0.0
+        waited = staged.done_reading()
+        if self._staged is staged:  # cleared only once read: the stop deadline's thread may be waiting for it too
+            self._staged = None
+            if self.blocked_s:
+                self.blocked_s[-1] += waited
+        return waited
 
     def _nonfinite(self, states: dict) -> Optional[str]:
         """Collective where every rank writes (shards). The first non-finite tensor of the state, on any rank."""
@@ -213,6 +239,7 @@ class Checkpointer:
         it could not be written)."""
         if not self.ctx.gather_objects(self._starting_point is not None)[0]:  # rank 0 keeps one, or none does
             return None
+        self._done_reading()  # a rollback loads into the live state after this
         if self._starting_point is not None:  # the ranks that write
             step, state = self._starting_point
             name = snapshot_lib.snapshot_name(step, self.sharded)
@@ -224,12 +251,14 @@ class Checkpointer:
 
     def wait(self, raise_error: bool = True) -> None:
         """Block until the snapshot being written is complete (raises if writing it failed, if asked to)."""
+        self._done_reading()
         if self._writer is not None:
             self._writer.wait(raise_error=raise_error)
 
     def finish_quietly(self) -> None:
         """Wait for a snapshot being written, on a path that is ending anyway (its failure is not raised). A sharded
         save needs every rank, and a peer may be gone: it gets exit_wait_s."""
+        self._done_reading()
         if self.sharded and self._writer is not None:
             self._writer.wait(raise_error=False, timeout=self.exit_wait_s)
         else:
@@ -241,6 +270,7 @@ class Checkpointer:
         must have found the same one."""
         if self.store is None:
             return None
+        self._done_reading()  # a rollback's load changes the tensors a snapshot may still be copying
         if self.ctx.is_main:
             self.store.check_writable()
         found = self.store.load_newest_valid(self.metadata.get("model_config", {}), self.metadata.get("vocab", ""))

@@ -355,21 +355,28 @@ class ShardedWriter:
         self._error: Optional[str] = None
         self.newest_saved: Optional[str] = None
 
-    def submit(self, name: str, state: dict, metadata: dict, world_size: int, reason: str,
-               after_commit: Optional[Any] = None) -> None:
-        """On every rank, with this rank's private CPU copy of its state. `after_commit` (rank 0, once the
-        snapshot is committed: marks, retention; returns what to add to the "saved" line) defaults to `prune`."""
+    def make_room(self) -> None:
+        """Before the next save: this rank's part of the previous one is done (an attempt is collective: it is never
+        cut short). Afterwards nothing reads the previous state's host buffers."""
         self.wait(raise_error=False)
+
+    def submit(self, name: str, state: Any, metadata: dict, world_size: int, reason: str,
+               after_commit: Optional[Any] = None) -> None:
+        """On every rank, with this rank's private host copy of its state, or one on its way (store.py's
+        `HostStaging.stage`, the staging of single files too: waited for on the writer's thread). `after_commit`
+        (rank 0, once the snapshot is committed: marks, retention; returns what to add to the "saved" line)
+        defaults to `prune`."""
+        self.make_room()
         self._thread = threading.Thread(target=self._write, args=(name, state, metadata, world_size, reason,
                                                                    after_commit or self.prune),
                                         name="snapshot-writer", daemon=True)
         self._thread.start()
 
-    def _write(self, name: str, state: dict, metadata: dict, world_size: int, reason: str, after_commit: Any) -> None:
+    def _write(self, name: str, state: Any, metadata: dict, world_size: int, reason: str, after_commit: Any) -> None:
         try:
             if self.device.type == "cuda":  # a new thread's current device is GPU 0: anything CUDA goes to this rank's
                 torch.cuda.set_device(self.device)
-            self._save(name, state, metadata, world_size, reason, after_commit)
+            self._save(name, _host_copy(state), metadata, world_size, reason, after_commit)
         except BaseException as e:  # a collective that failed (a peer gone), a bug: never a silent end of the thread
             self._error = f"snapshot {self.store.url(name)} not saved: {_dcp_error(e)}"
             log.warning(self._error)
@@ -458,6 +465,12 @@ class ShardedWriter:
         if raise_error and self._error is not None:
             error, self._error = self._error, None
             raise UsageError(error)
+
+
+def _host_copy(state: Any) -> dict:
+    """What a save writes: a staged state (store.StagedState, not imported: store.py imports this module) once its
+    copy is complete, or a private host copy as it is."""
+    return state.result() if callable(getattr(state, "result", None)) else state
 
 
 def _first_cause(error: BaseException) -> BaseException:

@@ -40,6 +40,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from mingpt.errors import CorruptSnapshot, UsageError, describe, first_line, is_permanent  # noqa: F401 (re-exported)
+from mingpt.parallel.state import is_dtensor
 from mingpt.storage.durable import fsync_folder, temporary_name
 from mingpt.storage.locations import check_location, resolve_path
 
@@ -671,9 +672,10 @@ def _aws_retries_configured(profile: Optional[str]) -> bool:
 
 
 class BackgroundWriter:
-    """Serialises, checksums and writes snapshots on a background thread, so training is blocked only for the
-    copy of its state into CPU memory. One write at a time: a new one first waits for the previous one. A failed
-    write is retried with backoff, then reported in one line; training goes on and the next save tries again."""
+    """Serialises, checksums and writes snapshots on a background thread, so training is blocked at most for
+    starting the copy of its state into host memory (`HostStaging`). One write at a time: a new one first waits for
+    the previous one. A failed write is retried with backoff, then reported in one line; training goes on and the
+    next save tries again."""
 
     def __init__(self, store: SnapshotStore, keep_last: int) -> None:
         self.store = store
@@ -683,28 +685,32 @@ class BackgroundWriter:
         self._superseded = threading.Event()  # set: a failing save stops retrying, a newer one replaces it
         self.newest_saved: Optional[str] = None  # the newest snapshot this writer completed
 
-    def submit(self, name: str, state: dict, metadata: dict, world_size: int, reason: str,
-               after_commit: Optional[Callable[[], str]] = None) -> None:
-        """`state` must already be a private CPU copy: training goes on changing the live tensors. `after_commit`
-        runs once the snapshot is complete (marks, retention) and returns what to add to its "saved" line; by
-        default the older snapshots beyond keep_last are pruned.
-
-        A save still waiting to retry is given up, so training does not wait out its backoff: this one is newer.
-        An attempt in flight is waited for (one write at a time, and a healthy slow store is never cut short)."""
+    def make_room(self) -> None:
+        """Before the next save: a save still waiting to retry is given up, so training does not wait out its
+        backoff (the next one is newer); an attempt in flight is waited for (one write at a time, and a healthy slow
+        store is never cut short). Afterwards nothing reads the previous state's host buffers."""
         self._superseded.set()
         self.wait(raise_error=False)
         self._superseded.clear()
+
+    def submit(self, name: str, state: dict | StagedState, metadata: dict, world_size: int, reason: str,
+               after_commit: Optional[Callable[[], str]] = None) -> None:
+        """`state` is a private host copy, or one on its way (`HostStaging.stage`, waited for on the writer's
+        thread): training goes on changing the live tensors. `after_commit` runs once the snapshot is complete
+        (marks, retention) and returns what to add to its "saved" line; by default the older snapshots beyond
+        keep_last are pruned. The previous save is given up or waited for first (`make_room`)."""
+        self.make_room()
         after_commit = after_commit or (lambda: prune_quietly(self.store, self.keep_last, keep=(name,)))
         self._thread = threading.Thread(target=self._write, args=(name, state, metadata, world_size, reason,
                                                                    after_commit), name="snapshot-writer", daemon=True)
         self._thread.start()
 
-    def _write(self, name: str, state: dict, metadata: dict, world_size: int, reason: str,
+    def _write(self, name: str, state: dict | StagedState, metadata: dict, world_size: int, reason: str,
                after_commit: Callable[[], str]) -> None:
         start = time.perf_counter()
         url = self.store.url(name)
         try:
-            data = to_bytes(build(state, metadata, world_size))
+            data = to_bytes(build(host_copy(state), metadata, world_size))
         except Exception as e:
             self._fail(f"snapshot {url} could not be written: {describe(e)}")
             return
@@ -747,7 +753,8 @@ class BackgroundWriter:
 
 
 def cpu_copy(obj: Any) -> Any:
-    """A private CPU copy of every tensor in a nest of dicts/lists (other values are kept as they are). A DTensor
+    """A private CPU copy of every tensor in a nest of dicts/lists (other values are kept as they are), in fresh
+    memory, made now: a state kept aside (a run's starting point). Snapshots go through `HostStaging`. A DTensor
     (a shard) stays a DTensor of the same layout: what DCP saves."""
     if isinstance(obj, torch.Tensor):  # a DTensor keeps its layout, its local part copied to the CPU (as torch's
         # own checkpoint staging does, torch/distributed/_state_dict_utils.py): DTensor.from_local would move it back
@@ -757,6 +764,162 @@ def cpu_copy(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(cpu_copy(value) for value in obj)
     return obj
+
+
+# A CPU tensor of at least this many bytes is copied on the staging thread, beside the next forward and backward
+# pass; a smaller one (AdamW's step counts, a bias) at once: microseconds, less than handing it over costs.
+BACKGROUND_COPY_BYTES = 64 * 2**10
+
+
+def copy_tensors(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """(host buffer, live tensor) pairs, copied in order. On the staging thread aten's copy releases the GIL, so
+    the training thread runs meanwhile."""
+    with torch.no_grad():  # grad mode is per thread: a parameter's copy must not join the autograd graph
+        for buffer, live in pairs:
+            buffer.copy_(live)
+
+
+class StagedState:
+    """A state on its way into host memory (`HostStaging.stage`) and the copy's one synchronisation point: the
+    training thread calls `done_reading()` before anything changes the live tensors in place, the writer thread
+    `result()` before it serialises the copy."""
+
+    def __init__(self, state: Any, gpu_copied: Optional[list[tuple[torch.device, Any]]] = None,
+                 background: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None) -> None:
+        self._state = state
+        self._gpu_copied = gpu_copied or []  # (device, CUDA event recorded after its device-to-host copies)
+        self._error: Optional[BaseException] = None
+        self._copying: Optional[threading.Thread] = None
+        if background:
+            self._copying = threading.Thread(target=self._copy, args=(background,), name="snapshot-staging",
+                                             daemon=True)
+            self._copying.start()
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        try:
+            copy_tensors(pairs)
+        except BaseException as e:  # reported by the writer as the save's failure, never a silent end of the thread
+            self._error = e
+
+    def done_reading(self) -> float:
+        """On the training thread, before the live tensors change in place (an optimizer step, a load): block until
+        the copy has read them. A CPU copy on the staging thread is waited for; copies from a GPU need no wait, as
+        every later kernel of the stream they were queued on (the optimizer's update included) runs after them.
+        Returns the seconds waited."""
+        if self._copying is None:
+            return 0.0
+        start = time.perf_counter()
+        self._copying.join()
+        return time.perf_counter() - start
+
+    def result(self) -> Any:
+        """On the writer thread: the host copy, complete (the staging thread joined, the GPU copies' events
+        synchronised). Raises what failed while copying."""
+        if self._copying is not None:
+            self._copying.join()
+        for device, event in self._gpu_copied:
+            with torch.cuda.device(device):  # a new thread's current device is GPU 0: no context made there
+                event.synchronize()
+        if self._error is not None:
+            raise self._error
+        return self._state
+
+
+def host_copy(state: dict | StagedState) -> dict:
+    """What a writer serialises: a staged state once its copy is complete, or a private host copy as it is."""
+    return state.result() if isinstance(state, StagedState) else state
+
+
+class HostStaging:
+    """Private host copies of a state's tensors for the background writers, in buffers allocated at the first save
+    and reused by the next ones (a tensor whose shape, strides, dtype, device or DTensor layout changed gets a new
+    one). It is torch's own cached staging (torch/distributed/checkpoint/staging.py, BlockingAsyncStager with
+    cache_staged_state_dict: `_create_cpu_state_dict(pin_memory=True)` once, then `_copy_state_dict` into it,
+    torch/distributed/_state_dict_utils.py), with every large copy left asynchronous:
+
+    - a tensor on a GPU: `copy_(non_blocking=True)` into pinned memory on the current (training) stream, one CUDA
+      event recorded after the copies, synchronised by the writer thread. The training thread never waits: the
+      optimizer's in-place update is queued later on the same stream. (torch's DefaultStager copies on a stream of
+      its own instead, which needs a wait before the next update.)
+    - a CPU tensor of BACKGROUND_COPY_BYTES or more: copied on a staging thread while the next forward and backward
+      pass run; `StagedState.done_reading()` is the wait before the next update or load.
+    - a smaller CPU tensor, or one on another device: copied at once. Values that are not tensors are kept as they
+      are, the dicts, lists and tuples around them rebuilt.
+
+    A DTensor (an FSDP or tensor-parallel shard) stays a DTensor of the same layout whose local part is the host
+    buffer: what DCP saves. Its buffer is `torch.empty_like(dtensor, device="cpu", ...)`, which DTensor's dispatch
+    runs on the local part alone, keeping the spec (as `_create_cpu_state_dict` keeps it through `.to("cpu")`;
+    `DTensor.from_local` would move the buffer back to the mesh's device); the copy goes between the local parts, as
+    `_copy_state_dict` copies `_local_tensor`s."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, tuple[tuple, torch.Tensor]] = {}  # path in the state -> (what it fits, buffer)
+
+    def stage(self, state: Any) -> StagedState:
+        """On the training thread, with the state as it is now; copies are queued (GPU), started (CPU, large) or
+        done (the rest). Nothing may read the previous staged state any more: its buffers are reused."""
+        buffers: dict[tuple, tuple[tuple, torch.Tensor]] = {}
+        background: list[tuple[torch.Tensor, torch.Tensor]] = []
+        gpus: set[torch.device] = set()
+        with torch.no_grad():
+            copy = self._stage(state, (), buffers, background, gpus)
+            events = []
+            for device in sorted(gpus, key=str):
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))  # after this stream's copies, before its next kernels
+                events.append((device, event))
+        self._buffers = buffers  # buffers of tensors the state no longer holds are freed
+        return StagedState(copy, events, background)
+
+    def _stage(self, obj: Any, path: tuple, buffers: dict, background: list, gpus: set) -> Any:
+        if isinstance(obj, torch.Tensor):
+            buffer = self._buffer(obj, path, buffers)
+            host, live = _local_part(buffer), _local_part(obj)
+            if live.device.type == "cuda":
+                host.copy_(live, non_blocking=True)
+                gpus.add(live.device)
+            elif live.device.type == "cpu" and live.numel() * live.element_size() >= BACKGROUND_COPY_BYTES:
+                background.append((host, live))
+            else:
+                host.copy_(live)
+            return buffer
+        if isinstance(obj, dict):
+            return {key: self._stage(value, (*path, key), buffers, background, gpus) for key, value in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._stage(value, (*path, index), buffers, background, gpus)
+                             for index, value in enumerate(obj))
+        return obj
+
+    def _buffer(self, live: torch.Tensor, path: tuple, buffers: dict) -> torch.Tensor:
+        """The buffer at `path` of the previous save if it fits `live`, else a new one."""
+        fits = _buffer_key(live)
+        kept = self._buffers.get(path)
+        buffer = kept[1] if kept is not None and kept[0] == fits else _new_buffer(live)
+        buffers[path] = (fits, buffer)
+        return buffer
+
+
+def _local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (with grad mode off, its own `_local_tensor`: writing it writes the DTensor), or the
+    tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def _buffer_key(live: torch.Tensor) -> tuple:
+    """What a host buffer must match to be reused for `live`."""
+    local = _local_part(live)
+    key = (tuple(local.shape), local.stride(), local.dtype, local.device.type)
+    if is_dtensor(live):
+        key += (tuple(live.shape), live.stride(), tuple(live.placements), live.device_mesh)
+    return key
+
+
+def _new_buffer(live: torch.Tensor) -> torch.Tensor:
+    """Host memory for `live`'s copy, its strides kept; pinned where `live` is on a GPU, so that the copy is
+    asynchronous (an empty tensor has nothing to pin, and pinning it fails). A DTensor gets a DTensor of its layout."""
+    local = _local_part(live)
+    pinned = local.device.type == "cuda" and local.numel() > 0
+    return torch.empty_like(live, device="cpu", pin_memory=pinned)
 
 
 # --------------------------------------------------------------------------------------------------- CLI
