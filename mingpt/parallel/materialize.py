@@ -17,6 +17,7 @@ block whole plus the shards so far, where building the model and then sharding i
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Optional
 
 import torch
@@ -39,23 +40,28 @@ def materialize(root: nn.Module, part: nn.Module, device: torch.device, initial_
     """Every meta parameter and buffer of `part` (a submodule of `root`, or `root` itself) real on `device` at its
     initial value, under the name it has in `root`; what is real already is left alone. A DTensor keeps its layout
     (this rank's part of the value); `permuted` names the parameters tensor parallelism keeps in permuted row order
-    ({name: degree}). `made`: the parameters made so far by id, so that a tied one stays one."""
+    ({name: degree}). `made`: the tied parameters made so far, by the meta parameter's id, so that a tied one stays
+    one (and only those: any other is held by its module alone, and freed once its block is sharded)."""
     from mingpt.parallel.tensor_parallel import permuted_full
 
     permuted = permuted or {}
     made = {} if made is None else made
+    names = Counter(id(param) for _, param in root.named_parameters(remove_duplicate=False))
     prefix = next(name for name, module in root.named_modules() if module is part)
     for path, owner in part.named_modules(prefix=prefix):
         for attr, param in list(owner.named_parameters(recurse=False)):
             if not param.is_meta:
                 continue
-            if id(param) not in made:
+            real = made.get(id(param))
+            if real is None:
                 name = f"{path}.{attr}" if path else attr
                 value = initial_value(name)
                 if name in permuted:
                     value = permuted_full(value, permuted[name])
-                made[id(param)] = nn.Parameter(_placed(value, param, device), requires_grad=param.requires_grad)
-            setattr(owner, attr, made[id(param)])
+                real = nn.Parameter(_placed(value, param, device), requires_grad=param.requires_grad)
+                if names[id(param)] > 1:  # tied: kept for its other name. Nothing else is held here, so a
+                    made[id(param)] = real  # block's whole tensors are freed as soon as it is sharded
+            setattr(owner, attr, real)
         for attr, buffer in list(owner.named_buffers(recurse=False)):
             if buffer is not None and buffer.is_meta:
                 setattr(owner, attr, _placed(initial_value(f"{path}.{attr}" if path else attr), buffer, device))

@@ -1,6 +1,6 @@
 """bench.py runs the real trainer and reports consistent numbers: one process with snapshots and the nanoGPT
-baseline, under torchrun with scaling, the comparisons refusing the wrong launch, the data benchmark (it is not
-itself a performance test; its parts in one process: tests/unit/test_bench.py)."""
+baseline, under torchrun with scaling, the comparisons refusing the wrong launch, the data benchmark, the memory
+benchmark (it is not itself a performance test; its parts in one process: tests/unit/test_bench.py)."""
 
 import json
 import subprocess
@@ -9,6 +9,7 @@ import sys
 from support import PROJECT_DIR, TINY, assert_ok, cli, standalone, subprocess_env
 
 BENCH, BENCH_DATA = PROJECT_DIR / "benchmarks" / "bench.py", PROJECT_DIR / "benchmarks" / "bench_data.py"
+BENCH_MEMORY = PROJECT_DIR / "benchmarks" / "bench_memory.py"
 
 
 def check_result(result: dict, world_size: int) -> None:
@@ -78,3 +79,23 @@ def test_bench_data_encodes_both_corpora_and_times_the_order(tmp_path):
     assert mixed["characters"] < mixed["bytes"] / 1.5  # multi-byte scripts: fewer characters than bytes
     assert set(result["order"]) == {"1e4", "1e6", "1e9", "1e12"}
     assert all(row["sampler_peak_bytes"] < 2_000_000 for row in result["order"].values())
+
+
+def test_bench_memory_follows_every_rank_of_a_torchrun_job(tmp_path):
+    """bench_memory.py on the tiny model, 2 processes under FSDP: a peak per rank at each moment of the run (its
+    figures for the 113M-parameter model: benchmarks/memory.md)."""
+    out = tmp_path / "memory.json"
+    proc = subprocess.run([sys.executable, str(BENCH_MEMORY), "--model", "tiny", "--nproc", "2", "--strategy", "fsdp",
+                           "--steps", "2", "--json", str(out)],
+                          cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert_ok(proc)
+    result = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == result
+    (run,) = result["runs"]
+    assert run["strategy"] == "fsdp" and run["n_params"] == 27_840 and [r["rank"] for r in run["ranks"]] == [0, 1]
+    for rank in run["ranks"]:
+        peaks = [rank[moment]["vm_hwm_mib"] for moment in ("startup", "steps", "run")]
+        assert 0 < peaks[0] <= peaks[1] <= peaks[2], rank  # the kernel's high-water mark only rises
+        assert 0 < rank["steps"]["max_rss_anon_mib"] <= peaks[1], rank
+    assert result["summary"]["fsdp"]["largest_rank"]["steps"]["vm_hwm_mib"]["median"] == max(
+        rank["steps"]["vm_hwm_mib"] for rank in run["ranks"])
