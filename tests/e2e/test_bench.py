@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from support import PROJECT_DIR, TINY, assert_ok, cli, standalone, subprocess_env
+
+from mingpt import compat
 
 BENCH, BENCH_DATA = PROJECT_DIR / "benchmarks" / "bench.py", PROJECT_DIR / "benchmarks" / "bench_data.py"
 BENCH_MEMORY = PROJECT_DIR / "benchmarks" / "bench_memory.py"
@@ -99,3 +102,22 @@ def test_bench_memory_follows_every_rank_of_a_torchrun_job(tmp_path):
         assert 0 < rank["steps"]["max_rss_anon_mib"] <= peaks[1], rank
     assert result["summary"]["fsdp"]["largest_rank"]["steps"]["vm_hwm_mib"]["median"] == max(
         rank["steps"]["vm_hwm_mib"] for rank in run["ranks"])
+
+
+@pytest.mark.skipif(compat.TORCH < compat.FSDP_TORCH, reason="mesh layouts need torch 2.7")
+def test_every_sharded_layout_starts_from_one_processs_weights_to_the_bit(tmp_path):
+    """The meta-device build (FSDP, tensor and pipeline parallelism on 2 processes, each rank making only its part
+    real) starts from the weights one plain process draws, bit for bit: the whole weights' digest before the first
+    step, gathered one tensor at a time, on every rank (the layout tests compare after 6 steps, to 1e-4)."""
+    out = tmp_path / "initial.json"
+    proc = subprocess.run([sys.executable, str(BENCH_MEMORY), "--initial-weights", "--model", "tiny", "--nproc", "2",
+                           "--strategy", "fsdp,tp,pp", "--json", str(out)],
+                          cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert_ok(proc)
+    found = json.loads(out.read_text())["initial_weights"]
+    runs = found["runs"]
+    assert sorted(runs) == ["fsdp", "one process", "pp", "tp"]
+    for name in ("fsdp", "tp", "pp"):
+        assert runs[name]["rank_digests"] == [found["reference_sha256"]] * 2, (name, runs[name])
+        whole = runs["one process"]["parameters_held_per_rank"][0]
+        assert max(runs[name]["parameters_held_per_rank"]) < whole, runs[name]  # each rank made its part real
