@@ -705,7 +705,7 @@ class Trainer:
         diverged_at, lr_scale, rollbacks = self.step, self.lr_scale * self.cfg.rollback_lr_factor, self.rollbacks + 1
         self.checkpoints.restore()
         self.lr_scale, self.rollbacks = lr_scale, rollbacks
-        self.nonfinite.streak, self.checkpoints.held, self._batches = 0, None, None
+        self.nonfinite.streak, self.nonfinite.last_skipped, self.checkpoints.held, self._batches = 0, None, None, None
         self.window.restart_clock(self.step)
         self.progress.rewind(self.step)
         log.warning("training diverged at step %d: %s; rolled back to %s (step %d), every learning rate x%g from here "
