@@ -632,12 +632,18 @@ class Trainer:
                                  if skipped is not None and skipped == self.step else None)
 
     def _settles_now(self) -> bool:
-        """Whether the step just taken is read (`settle`) now: a log line, an evaluation or a snapshot may follow,
-        or the epoch or the run ends."""
-        cfg, step = self.cfg, self.step
-        return (step == self.total_steps or step % cfg.log_every_steps == 0 or self._steps_left_in_epoch() == 0
-                or bool(cfg.eval_every_steps and step % cfg.eval_every_steps == 0)
-                or bool(cfg.save_every_steps and step % cfg.save_every_steps == 0))
+        """Whether the step just taken is read (`settle`) now: a log line, an evaluation or a snapshot may follow
+        (`_after_step`), or the epoch ends."""
+        return (self._logs_now() or self._evaluates_now() or self._steps_left_in_epoch() == 0
+                or self.checkpoints.cadence.step_due(self.step))
+
+    def _logs_now(self) -> bool:
+        return self.step % self.cfg.log_every_steps == 0 or self.step == self.total_steps
+
+    def _evaluates_now(self) -> bool:
+        """The last step, and every eval_every_steps (an epoch's end is evaluated too: `_after_step`)."""
+        every = self.cfg.eval_every_steps
+        return self.step == self.total_steps or bool(every and self.step % every == 0)
 
     def epoch_batches(self) -> Iterator[torch.Tensor]:
         """The (B, T+1) window batches of the rest of the current epoch, as training consumes them."""
@@ -652,12 +658,11 @@ class Trainer:
     def _after_step(self) -> bool:
         """Collective. Logging, evaluation, the epoch's end and the snapshots due after a step. False: the run went
         non-finite there and rolled back (nothing more to do for this step)."""
-        last_step = self.step == self.total_steps
-        if self.step % self.cfg.log_every_steps == 0 or last_step:
+        if self._logs_now():
             train_loss = self._log_train()
             if not math.isfinite(train_loss):  # only without skip_nonfinite_steps: skipped losses are not in it
                 return self._diverged(f"the mean training loss is {train_loss}")
-        if last_step or (self.cfg.eval_every_steps and self.step % self.cfg.eval_every_steps == 0):
+        if self._evaluates_now():
             if not self._evaluated_finite():  # the last step is evaluated before any snapshot of it is written
                 return False
         finished_epoch = None

@@ -55,6 +55,10 @@ class Cadence:
     save_every_steps: Optional[int] = None
     keep_last: int = 2
 
+    def step_due(self, step: int) -> bool:
+        """Whether a snapshot is due after optimizer step `step` by the step count."""
+        return bool(self.save_every_steps and step % self.save_every_steps == 0)
+
 
 @dataclass
 class Restored:
@@ -108,7 +112,7 @@ class Checkpointer:
         blocked = 0.0
         if finished_epoch is not None and (finished_epoch + 1) % self.cadence.save_every == 0:
             blocked += self.save(step, f"end of epoch {finished_epoch}")
-        if self.cadence.save_every_steps and step % self.cadence.save_every_steps == 0:
+        if self.cadence.step_due(step):
             blocked += self.save(step, f"every {self.cadence.save_every_steps} steps")
         return blocked
 
