@@ -23,8 +23,9 @@ STEPS = 6000
 TRAINING = [*TINY, f"trainer_config.max_steps={STEPS}", "trainer_config.max_epochs=100",
             "trainer_config.log_every_steps=500", "trainer_config.eval_every_steps=1000"]
 # A 1-minute time limit with SIGUSR1 50 s before it: SLURM checks time limits every 30 s, so the signal comes 10 to
-# 40 s after the start, and each allocation trains for a part of the run.
+# 40 s after the start, and the first allocation trains for a part of the run.
 TIME_LIMITED = ["--time=1", "--signal=B:USR1@50"]
+FINISHING_TIME_LIMIT_MIN = 30  # what a time-limited job gets once an allocation has saved (below)
 JOB_TIMEOUT_S = 600
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
@@ -84,6 +85,14 @@ def test_a_job_trains_to_the_end(uninterrupted):
 
 def test_a_job_at_its_time_limit_requeues_itself_and_finishes(slurm_cluster, uninterrupted, tmp_path):
     job = Job(slurm_cluster, tmp_path, *TIME_LIMITED)
+    # Once an allocation has been stopped by the early signal and its workers saved a snapshot, the job gets the time
+    # to finish (scontrol update, before the requeued job may start again): otherwise every later allocation is
+    # signalled too, within 30 s of its start, and the job takes several more allocations (a start-up and a requeue
+    # each) for the same steps.
+    # An allocation signalled before its workers trained saves nothing; the job is requeued with the short limit.
+    wait_for(lambda: "saved (stop requested" in job.log() or slurm_cluster.job(job.id).get("JobState") in ENDED,
+             JOB_TIMEOUT_S, 0.2, f"job {job.id} to save at its time limit")
+    slurm_cluster.run("scontrol", "update", f"JobId={job.id}", f"TimeLimit={FINISHING_TIME_LIMIT_MIN}", check=False)
     info = job.wait(*ENDED)
     log = job.log()
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log
