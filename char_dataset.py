@@ -1,12 +1,14 @@
-"""Character-level data: UTF-8 text from files, folders, globs or fsspec URLs, encoded once into a token cache
-(token_cache.py), served as (x, y) windows read from it, in an epoch order that needs no memory.
+"""The data: UTF-8 text from files, folders, globs or fsspec URLs, encoded once into a token cache (token_cache.py)
+by the tokenizer data_config.tokenizer names (characters by default, or a byte-level BPE: mingpt/data/tokenizer.py),
+served as (x, y) windows read from it, in an epoch order that needs no memory.
 
     >>> corpus = CharCorpus.load(DataConfig(path="data/input.txt", block_size=128))
     >>> train, val = corpus.train_dataset(), corpus.val_dataset()
-    >>> x, y = train[0]            # int64 ids of block_size characters, y shifted by one character
+    >>> x, y = train[0]            # int64 ids of block_size tokens (characters by default), y shifted by one
+    >>> val.bits_per_byte(loss)    # a validation loss (nats per token) in bits per byte of the text
 
-The text is split *before* windows are cut: the first `train_split` of the characters train, the rest validate,
-so no validation window shares a character with a training window. The windows are read by position from the
+The text is split *before* windows are cut: the first `train_split` of the tokens train, the rest validate, so no
+validation window shares a token with a training window. The windows are read by position from the
 cache's token file (`TokenFile`), so a process's memory does not grow with the corpus and the ranks of a node
 share its pages through the page cache. The epoch order (`EpochOrder`) is a keyed bijection on the window
 indices: a pure function of (seed, epoch), computed a block at a time. Knows nothing of ranks beyond which
@@ -18,6 +20,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -25,7 +28,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from mingpt.data.token_cache import TokenFile, Tokens, default_cache_dir, encode_text, open_tokens
+from mingpt.data.token_cache import TokenFile, Tokens, default_cache_dir, open_tokens
+from mingpt.data.tokenizer import DEFAULT_BPE_VOCAB, REQUIREMENTS, CharTokenizer, Tokenizer, TokenizerChoice
 from mingpt.errors import UsageError
 from mingpt.storage.locations import check_location, resolve_path
 
@@ -46,11 +50,18 @@ class DataConfig:
     cache_timeout_s: float = 3600.0
     """how long a process waits for another (local rank 0, another job) to build the cache"""
     block_size: int = 256
-    """characters of context per training window"""
+    """tokens of context per training window (characters under the character tokenizer)"""
     train_split: float = 0.9
     """fraction of the text (from the start) used for training; the rest is validation"""
     truncate: float = 1.0
     """fraction of the text to use at all, from the start (1.0 = everything)"""
+    tokenizer: str = "char"
+    """char (each character a token) | bpe (a byte-level BPE trained on the text) | path: a tokenizer.json or folder
+
+    bpe and a path need Hugging Face tokenizers (requirements-hf.txt). A BPE is trained once per corpus and
+    vocab_size and kept with the token cache; a path is read offline, and must be a byte-level BPE (GPT-2's)."""
+    vocab_size: int = DEFAULT_BPE_VOCAB
+    """tokenizer=bpe: the tokens of the trained BPE (at least 256: every byte is one)"""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -69,6 +80,17 @@ class DataConfig:
         if self.cache_dir is not None and check_location(self.cache_dir, "data_config.cache_dir"):
             raise UsageError(f"data_config.cache_dir must be a local folder (the cache is memory-mapped), got "
                              f"{self.cache_dir!r}")
+        choice = self.tokenizer_choice()  # a missing tokenizer file or a vocab_size out of range: one line, here
+        if choice.kind != "char":
+            import importlib.util
+
+            if importlib.util.find_spec("tokenizers") is None:
+                raise UsageError(f"data_config.tokenizer={self.tokenizer} needs the tokenizers package: pip install "
+                                 f"-r {REQUIREMENTS}")
+
+    def tokenizer_choice(self) -> TokenizerChoice:
+        """The tokenizer settings as the token cache takes them (a path: its file read and hashed)."""
+        return TokenizerChoice.from_settings(self.tokenizer, self.vocab_size)
 
     def cache_folder(self) -> Path:
         if self.cache_dir is None:
@@ -84,22 +106,7 @@ def unescape(text: str) -> str:
     return re.sub(r"\\[nt\\]", lambda m: ESCAPES[m.group()], text)
 
 
-class CharVocab:
-    """Sorted set of characters <-> integer ids. Stored in snapshots as a plain string."""
-
-    def __init__(self, chars: Sequence[str]) -> None:
-        self.chars = "".join(sorted(set(chars)))
-
-    def __len__(self) -> int:
-        return len(self.chars)
-
-    def encode(self, text: str) -> torch.Tensor:
-        return torch.from_numpy(encode_text(text, self.chars).astype(np.int64))
-
-    def decode(self, ids: Sequence[int] | torch.Tensor | np.ndarray) -> str:
-        if isinstance(ids, (torch.Tensor, np.ndarray)):
-            ids = ids.tolist()
-        return "".join(self.chars[i] for i in ids)
+CharVocab = CharTokenizer  # its name before the tokenizer seam (mingpt/data/tokenizer.py)
 
 
 class CharDataset(Dataset):
@@ -109,16 +116,20 @@ class CharDataset(Dataset):
     Training uses stride 1 (every position); evaluation uses stride `block_size`, so every character is predicted
     exactly once. `data` is the ids: a `TokenFile` (a stretch of the token cache, read by position), or an array
     or tensor in memory. `windows(indices)` reads a whole batch at once; `__getitems__` lets a DataLoader use it.
+    `token_bytes` (the UTF-8 bytes each id stands for) lets `bits_per_byte` turn a loss per token into bits per
+    byte of the text, which compares across tokenizers.
     """
 
-    def __init__(self, data: TokenFile | np.ndarray | torch.Tensor, block_size: int, stride: int = 1) -> None:
+    def __init__(self, data: TokenFile | np.ndarray | torch.Tensor, block_size: int, stride: int = 1,
+                 token_bytes: Optional[np.ndarray] = None) -> None:
         if isinstance(data, torch.Tensor):
             data = data.numpy()
         if len(data) < block_size + 1:
-            raise ValueError(f"{len(data)} characters cannot make a window of {block_size + 1}")
+            raise ValueError(f"{len(data)} tokens cannot make a window of {block_size + 1}")
         self.data = data
         self.block_size = block_size
         self.stride = stride
+        self.token_bytes = token_bytes
         self._offsets = np.arange(block_size + 1)
 
     def __len__(self) -> int:
@@ -144,12 +155,35 @@ class CharDataset(Dataset):
             ids = self.data[starts[:, None] + self._offsets]
         return torch.from_numpy(ids.astype(np.int64))
 
+    BYTES_BLOCK = 1 << 22  # ids read at a time to count the text's bytes: memory independent of the split
+
+    @cached_property
+    def text_bytes(self) -> int:
+        """The UTF-8 bytes of the text these ids encode (read once, a block at a time)."""
+        total = 0
+        for start in range(0, len(self.data), self.BYTES_BLOCK):
+            count = min(self.BYTES_BLOCK, len(self.data) - start)
+            if isinstance(self.data, TokenFile):
+                ids = self.data.read(np.array([start]), count)[0]
+            else:
+                ids = self.data[start : start + count]
+            total += int(self.token_bytes[ids].sum())
+        return total
+
+    def bits_per_byte(self, loss: float) -> Optional[float]:
+        """A mean loss per token (nats) in bits per UTF-8 byte of the text (nanochat's val_bpb): loss * tokens /
+        bytes / ln 2. None without `token_bytes`."""
+        if self.token_bytes is None or not self.text_bytes:
+            return None
+        return loss * len(self.data) / self.text_bytes / math.log(2)
+
 
 class CharCorpus:
-    """The encoded text (in the token cache), its vocabulary, and the contiguous train/validation split."""
+    """The encoded text (in the token cache), its tokenizer, and the contiguous train/validation split."""
 
-    def __init__(self, tokens: Tokens | np.ndarray, vocab: CharVocab, cfg: DataConfig, source: str = "<text>") -> None:
-        self.cfg, self.vocab, self.source = cfg, vocab, source
+    def __init__(self, tokens: Tokens | np.ndarray, tokenizer: Tokenizer, cfg: DataConfig,
+                 source: str = "<text>") -> None:
+        self.cfg, self.tokenizer, self.source = cfg, tokenizer, source
         self.tokens = tokens if isinstance(tokens, Tokens) else None
         total = tokens.n_tokens if isinstance(tokens, Tokens) else len(tokens)
         self.n_tokens = int(total * cfg.truncate)
@@ -161,32 +195,43 @@ class CharCorpus:
         for split, n in (("training", self.n_train), ("validation", self.n_tokens - self.n_train)):
             if n < need:
                 raise UsageError(
-                    f"data file {source} is too short: the {split} split has {n} characters but "
+                    f"data file {source} is too short: the {split} split has {n} {self._unit} but "
                     f"block_size + 1 = {need} are needed (use more text, a smaller block_size or another train_split)"
                 )
 
+    @property
+    def vocab(self) -> Tokenizer:
+        """The tokenizer, by its name from before the tokenizer seam (a CharTokenizer has `chars`, as CharVocab)."""
+        return self.tokenizer
+
+    @property
+    def _unit(self) -> str:
+        return "characters" if isinstance(self.tokenizer, CharTokenizer) else "tokens"
+
     @classmethod
     def load(cls, cfg: DataConfig, build: bool = True, progress=None, rebuild: bool = False) -> CharCorpus:
-        """The corpus of `cfg.path` from its cache, built here first if needed and `build` (main.py: on local
-        rank 0; the other ranks wait for it)."""
+        """The corpus of `cfg.path` from its cache (encoded with `cfg.tokenizer`), built here first if needed and
+        `build` (main.py: on local rank 0; the other ranks wait for it)."""
         location = resolve_path(cfg.path)
         tokens = open_tokens(location, unescape(cfg.separator), cfg.cache_folder(), build, cfg.cache_timeout_s,
-                             progress, rebuild)
-        return cls(tokens, CharVocab(tokens.vocab), cfg, source=location)
+                             progress, rebuild, cfg.tokenizer_choice())
+        return cls(tokens, tokens.tokenizer, cfg, source=location)
 
     @classmethod
-    def from_text(cls, text: str, cfg: DataConfig) -> CharCorpus:
-        """A corpus of an in-memory text (no cache): tests and small experiments."""
-        vocab = CharVocab(text)
-        return cls(encode_text(text, vocab.chars), vocab, cfg)
+    def from_text(cls, text: str, cfg: DataConfig, tokenizer: Optional[Tokenizer] = None) -> CharCorpus:
+        """A corpus of an in-memory text (no cache): tests and small experiments. Characters unless `tokenizer`."""
+        tokenizer = tokenizer or CharTokenizer(text)
+        return cls(tokenizer.encode(text), tokenizer, cfg)
 
     def describe(self) -> str:
-        """What a run logs: characters, where from, vocabulary, cache folder."""
+        """What a run logs: tokens, where from, tokenizer, cache folder."""
         where = self.source
         if self.tokens is not None and len(self.tokens.sources) > 1:
             where = f"{len(self.tokens.sources)} files of {self.source}"
         cache = f" (cache {self.tokens.path.parent})" if self.tokens is not None else ""
-        return f"{self.n_tokens:,} characters of {where}, vocabulary of {len(self.vocab)}{cache}"
+        if isinstance(self.tokenizer, CharTokenizer):
+            return f"{self.n_tokens:,} characters of {where}, vocabulary of {len(self.tokenizer)}{cache}"
+        return f"{self.n_tokens:,} tokens of {where}, {self.tokenizer.summary()}{cache}"
 
     def ids(self, start: int, stop: int) -> np.ndarray:
         """The ids [start, stop) of the (truncated) corpus, as an array (a memory map of the cache)."""
@@ -201,8 +246,10 @@ class CharCorpus:
         return CharDataset(self._part(0, self.n_train), self.cfg.block_size)
 
     def val_dataset(self) -> CharDataset:
-        """Non-overlapping windows: each validation character is a target exactly once."""
-        return CharDataset(self._part(self.n_train, self.n_tokens), self.cfg.block_size, stride=self.cfg.block_size)
+        """Non-overlapping windows: each validation token is a target exactly once. Knows its text's bytes
+        (`bits_per_byte`)."""
+        return CharDataset(self._part(self.n_train, self.n_tokens), self.cfg.block_size, stride=self.cfg.block_size,
+                           token_bytes=self.tokenizer.token_bytes())
 
 
 # ------------------------------------------------------------------------------------------------ the epoch order

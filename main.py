@@ -1,4 +1,4 @@
-"""Train a character-level GPT with DistributedDataParallel: the Hydra entry point, its config schema and the wiring.
+"""Train a GPT with DistributedDataParallel: the Hydra entry point, its config schema and the wiring.
 
     torchrun --standalone --nproc_per_node=4 main.py                       # a 4-GPU node
     torchrun --standalone --nproc_per_node=2 main.py preset=cpu            # a CPU machine, 2 processes
@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 
 from char_dataset import CharCorpus, DataConfig
 from mingpt import config
-from mingpt.checkpoint.store import SnapshotStore, describe_nonfinite, nonfinite_tensors
+from mingpt.checkpoint.store import SnapshotStore, describe_nonfinite, nonfinite_tensors, tokenizer_fields
 from mingpt.compat import check_torch_supported
 from mingpt.config import CONFIG_NAME, redacted, scrub_hydra_output, sweep_job_name, to_dataclasses
 from mingpt.distributed.process_group import (
@@ -105,7 +105,7 @@ def model_config(cfg: TrainConfig, corpus: CharCorpus, device: torch.device) -> 
     block_size = cfg.data_config.block_size
     amp_dtype = resolve_precision(cfg.trainer_config.mixed_precision, device)
     attention = resolve_attention(cfg.gpt_config.attention, device, amp_dtype, block_size, cfg.gpt_config.dropout)
-    return dataclasses.replace(cfg.gpt_config, vocab_size=len(corpus.vocab), block_size=block_size,
+    return dataclasses.replace(cfg.gpt_config, vocab_size=corpus.tokenizer.size, block_size=block_size,
                                attention=attention)
 
 
@@ -130,7 +130,7 @@ def build_trainer(cfg: TrainConfig, corpus: CharCorpus, ctx: DistContext, run_di
         store = open_snapshot_store(cfg)
     metadata = {
         "model_config": dataclasses.asdict(gpt_cfg),
-        "vocab": corpus.vocab.chars,
+        **tokenizer_fields(corpus.tokenizer.describe()),  # a snapshot alone generates text
         "strategy": cfg.parallel_config.strategy,
         "optimizer_name": cfg.optimizer_config.name,  # "optimizer" is its state
         "train_config": redacted(dataclasses.asdict(cfg)),
@@ -184,7 +184,7 @@ def report_results(trainer: Trainer, model: GPT, corpus: CharCorpus, run_dir: Pa
     plotter = LossPlotter(run_dir)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(trainer.cfg.seed)
     with one_core_spared():
-        text = generate_text(model.eval(), corpus.vocab, "\n", 200, 0.8, 40, generator)
+        text = generate_text(model.eval(), corpus.tokenizer, "\n", 200, 0.8, 40, generator)
     plotter.log_result()  # and ends it
     log.info("sample (temperature 0.8, top_k 40):\n%s", text.strip("\n"))
 

@@ -7,8 +7,8 @@
 
 The overrides (and presets) are main.py's; only data_config matters. A job with the same data_config then finds
 the cache and only checks it. Run it on every node whose cache folder is its own (one run serves a shared one).
-On a terminal a progress bar shows the two passes (scanning for the vocabulary, then encoding); the last line
-says what is in the cache and the throughput reached.
+On a terminal a progress bar shows the two passes (scanning: the vocabulary, or the text a BPE is trained on;
+then encoding); the last line says what is in the cache and the throughput reached.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from char_dataset import CharVocab
 from mingpt.checkpoint.store import (
     CorruptSnapshot,
     SnapshotStore,
@@ -35,6 +34,7 @@ from mingpt.checkpoint.store import (
     snapshot_step,
 )
 from mingpt.config import precheck_config_overrides
+from mingpt.data.tokenizer import Tokenizer, snapshot_tokenizer, tokenizer_from_description
 from mingpt.errors import UsageError
 from mingpt.storage.locations import resolve_path
 from model import GPT, GPTConfig
@@ -51,11 +51,11 @@ class SampleConfig:
     prompt_file: Optional[str] = None
     """read the prompt from this UTF-8 file instead (local path or URL)"""
     max_new_tokens: int = 500
-    """characters generated per sample"""
+    """tokens generated per sample (characters under the character tokenizer)"""
     temperature: float = 0.8
     """< 1 more conservative, > 1 more adventurous"""
     top_k: Optional[int] = 40
-    """sample only from the k likeliest characters; null = all"""
+    """sample only from the k likeliest tokens; null = all"""
     seed: int = 1
     """the same seed gives the same text"""
     num_samples: int = 1
@@ -105,7 +105,8 @@ def load_snapshot(location: str, storage_options: Optional[dict] = None, which: 
     return found[1]
 
 
-def model_from_snapshot(snapshot: dict, device: torch.device) -> tuple[GPT, CharVocab]:
+def model_from_snapshot(snapshot: dict, device: torch.device) -> tuple[GPT, Tokenizer]:
+    """The snapshot's model (on `device`, in eval mode) and its tokenizer: all that generating text needs."""
     try:
         model = GPT(GPTConfig(**snapshot["model_config"]))
         model.load_state_dict(model_tensors(snapshot))  # a sharded snapshot's tensors are read whole, here
@@ -115,7 +116,7 @@ def model_from_snapshot(snapshot: dict, device: torch.device) -> tuple[GPT, Char
     if not_finite:  # a diverged run's: sampling would fail on NaN probabilities
         raise UsageError(f"the snapshot's weights are not finite ({describe_nonfinite(not_finite)}): it is a "
                          f"diverged run's; take an older snapshot")
-    return model.to(device).eval(), CharVocab(snapshot["vocab"])
+    return model.to(device).eval(), tokenizer_from_description(snapshot_tokenizer(snapshot))
 
 
 def _brief(error: BaseException) -> str:
@@ -137,16 +138,16 @@ def one_core_spared() -> Iterator[None]:
 
 
 def generate_text(
-    model: GPT, vocab: CharVocab, prompt: str, max_new_tokens: int, temperature: float, top_k: Optional[int],
+    model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float, top_k: Optional[int],
     generator: torch.Generator,
 ) -> str:
-    """The prompt followed by `max_new_tokens` sampled characters."""
+    """The prompt followed by `max_new_tokens` sampled tokens, as text."""
     if not prompt:
         raise UsageError("the prompt is empty")
     device = next(model.parameters()).device
-    ids = vocab.encode(prompt).to(device)[None, :]
+    ids = torch.from_numpy(tokenizer.encode(prompt).astype("int64")).to(device)[None, :]
     out = model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
-    return vocab.decode(out[0])
+    return tokenizer.decode(out[0])
 
 
 def _device(name: str) -> torch.device:

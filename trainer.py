@@ -448,6 +448,8 @@ class Trainer:
         self.optimizers = parallel.optimizers
         self.scaler = parallel.gradient_scaler()
         self._setup_data(train_data, val_data)
+        # loss -> bits per byte of the validation text (val_bpb: compares across tokenizers); None: the data cannot say
+        self._bits_per_byte: Optional[Callable[[float], Optional[float]]] = getattr(val_data, "bits_per_byte", None)
         self.metrics = MetricsLog(run_dir, enabled=self.ctx.is_main)
         # Progress: everything the position in training depends on, saved in snapshots (`state_dict`).
         self.step = 0  # optimizer steps done
@@ -782,12 +784,19 @@ class Trainer:
         start = time.perf_counter()
         self.last_val_loss = self.validation_loss()
         self._last_eval_step = self.step
+        bpb = self.val_bpb(self.last_val_loss)
         self.metrics.write({"step": self.step, "epoch": self.epoch, "val_loss": round(self.last_val_loss, 6),
+                            **({} if bpb is None else {"val_bpb": bpb}),
                             "elapsed_s": round(time.perf_counter() - self._fit_start, 2)})
-        log.info("step %d | epoch %d | val loss %.4f (%.1f s)", self.step, self.epoch, self.last_val_loss,
-                 time.perf_counter() - start)
+        log.info("step %d | epoch %d | val loss %.4f%s (%.1f s)", self.step, self.epoch, self.last_val_loss,
+                 "" if bpb is None else f" | val bpb {bpb:.4f}", time.perf_counter() - start)
         self.window.exclude(time.perf_counter() - start)  # evaluation time does not count against tokens/s
         return self.last_val_loss
+
+    def val_bpb(self, loss: Optional[float]) -> Optional[float]:
+        """A validation loss (nats per token) in bits per byte of the validation text, rounded as metrics are."""
+        bpb = None if loss is None or self._bits_per_byte is None else self._bits_per_byte(loss)
+        return None if bpb is None else round(bpb, 6)
 
     # ----------------------------------------------------------------------------------------------- reporting
     def _log_plan(self) -> None:
@@ -862,6 +871,7 @@ class Trainer:
         """Collective. Every rank's weights compared, the last line, and the summary."""
         digest = weights_sha256_of(self.parallel.whole_tensors())  # canonical, whole
         report_end(self.metrics, digest, self.ctx.gather_objects(digest), steps=self.step, epochs_completed=self.epoch,
-                   finished=not self.stopped_early, val_loss=self.last_val_loss, best_val_loss=self.best_val_loss,
+                   finished=not self.stopped_early, val_loss=self.last_val_loss,
+                   val_bpb=self.val_bpb(self.last_val_loss), best_val_loss=self.best_val_loss,
                    skipped_steps=self.nonfinite.total, rollbacks=self.rollbacks,
                    wall_time_s=round(time.perf_counter() - self._fit_start, 2), world_size=self.ctx.world_size)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from mingpt.checkpoint import store as snapshot_lib
 from mingpt.checkpoint.store import SnapshotStore
+from mingpt.data.tokenizer import snapshot_tokenizer
 from mingpt.distributed.process_group import DistContext
 from mingpt.errors import UsageError, describe
 from mingpt.parallel.state import is_fresh
@@ -277,7 +278,8 @@ class Checkpointer:
         self._done_reading()  # a rollback's load changes the tensors a snapshot may still be copying
         if self.ctx.is_main:
             self.store.check_writable()
-        found = self.store.load_newest_valid(self.metadata.get("model_config", {}), self.metadata.get("vocab", ""))
+        found = self.store.load_newest_valid(self.metadata.get("model_config", {}),
+                                             snapshot_tokenizer(self.metadata))
         steps = self.ctx.gather_objects(-1 if found is None else found[0].step)
         if len(set(steps)) != 1:
             raise RuntimeError(f"ranks found different snapshots to resume from (steps {steps})")

@@ -12,9 +12,10 @@ that architecture's own parameter names (checked against transformers 5.24's mod
     positions=rotary,  norm=rmsnorm, qk_norm=true     Apertus      ApertusForCausalLM (per-head q/k RMSNorm)
 
 Anything else has no exact equivalent and is refused in one line (a UsageError naming the option). The tokenizer is
-character-level (tokenizers' WordLevel over the snapshot's vocabulary, every character a token, decoded by joining),
-and a character outside the vocabulary is an error, as in sample.py: there is no spare id to map it to. transformers
-and tokenizers are imported here, on first use: a run that never exports never loads them.
+the snapshot's (mingpt/data/tokenizer.py): a character one as tokenizers' WordLevel over the snapshot's vocabulary
+(every character a token, decoded by joining; a character outside the vocabulary is an error, as in sample.py: there
+is no spare id to map it to), a byte-level BPE as its own tokenizer.json. transformers and tokenizers are imported
+here, on first use: a run that never exports never loads them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from mingpt.checkpoint import store
+from mingpt.data.tokenizer import BpeTokenizer, snapshot_tokenizer, tokenizer_from_description
 from mingpt.errors import UsageError
 from mingpt.storage.locations import resolve_path
 
@@ -282,16 +284,21 @@ def generation_config_json() -> bytes:
     return generation.to_json_string(use_diff=True).encode()
 
 
-def tokenizer_files(vocab: str, block_size: int) -> dict[str, bytes]:
-    """The character tokenizer's files (tokenizer.json, tokenizer_config.json): ids in the order of the snapshot's
-    vocabulary string (sample.py's),
-    every character its own token (newlines and spaces included, nothing normalised), decoded by joining."""
+def tokenizer_files(description: dict | str, block_size: int) -> dict[str, bytes]:
+    """The tokenizer's files (tokenizer.json, tokenizer_config.json) from the snapshot's tokenizer description (a
+    string: the characters of a snapshot from before descriptions). Characters: ids in the order of the snapshot's
+    vocabulary string (sample.py's), every character its own token (newlines and spaces included, nothing
+    normalised), decoded by joining. A byte-level BPE: its own tokenizer.json, which encodes as sample.py does."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = Tokenizer(models.WordLevel({char: i for i, char in enumerate(vocab)}, unk_token=UNKNOWN))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one per character
-    tokenizer.decoder = decoders.Fuse()
+    ours = tokenizer_from_description(description)
+    if isinstance(ours, BpeTokenizer):
+        tokenizer = ours.hf_tokenizer()
+    else:
+        tokenizer = Tokenizer(models.WordLevel({char: i for i, char in enumerate(ours.chars)}, unk_token=UNKNOWN))
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one per character
+        tokenizer.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False,
                                    model_max_length=block_size)
     with tempfile.TemporaryDirectory() as folder:  # save_pretrained writes a local folder; the target may be a URL
@@ -317,7 +324,7 @@ def hf_files(snapshot: dict, config_type: Callable[..., ModelConfig]) -> dict[st
     return {"model.safetensors": safetensors_bytes(weights, metadata=metadata),
             "config.json": config_json(arch, cfg, next(iter(weights.values())).dtype),
             "generation_config.json": generation_config_json(),
-            **tokenizer_files(snapshot["vocab"], cfg.block_size)}
+            **tokenizer_files(snapshot_tokenizer(snapshot), cfg.block_size)}
 
 
 def model_config(snapshot: dict, config_type: Callable[..., ModelConfig]) -> ModelConfig:

@@ -4,7 +4,7 @@ torch.distributed.checkpoint (DCP), to a local folder or any fsspec URL.
     snapshots/default/snapshot-000002000.dcp/
         __0_0.distcp  __1_0.distcp     each rank's shards of the model and optimizer state (DCP's files)
         .metadata                      DCP's index of the shards
-        snapshot.json                  everything else (progress, model config, vocabulary, training config, the
+        snapshot.json                  everything else (progress, model config, tokenizer, training config, the
                                        optimizer's hyper-parameters) and every file's size and SHA-256
 
 Never visible half-written: locally the folder is written under a hidden temporary name and renamed into place
@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from mingpt.compat import dcp_alone
+from mingpt.data.tokenizer import description_problem, is_characters
 from mingpt.errors import CorruptSnapshot, UsageError, describe, is_permanent
 from mingpt.parallel.state import is_fresh, numbered_optimizer_state
 from mingpt.storage.durable import fsync_folder
@@ -49,9 +50,10 @@ log = logging.getLogger(__name__)
 
 COMMIT_FILE = "snapshot.json"
 DCP_INDEX = ".metadata"
-FORMAT_VERSION = 1  # of snapshot.json
+FORMAT_VERSION = 2  # of snapshot.json: written in the oldest that holds the tokenizer, as store.py's snapshots
+CHAR_FORMAT_VERSION = 1  # the character tokenizer's, which readers from before tokenizer descriptions read
 HASH_CHUNK = 8 * 2**20
-REQUIRED_TYPES = {"format_version": int, "progress": dict, "model_config": dict, "vocab": str, "world_size": int,
+REQUIRED_TYPES = {"format_version": int, "progress": dict, "model_config": dict, "world_size": int,
                   "files": dict, "meta_sha256": str}
 # What DCP's index (.metadata) pickles, and nothing else: its dataclasses, torch.Size, dtypes, a layout by name,
 # the checkpoint's path.
@@ -304,6 +306,9 @@ def _parse_doc(raw: bytes, source: str) -> dict:
     if doc["format_version"] > FORMAT_VERSION:
         raise UsageError(f"{source} has sharded snapshot format {doc['format_version']}, newer than this code "
                          f"understands ({FORMAT_VERSION}); update mingpt-ddp")
+    problem = description_problem(doc)
+    if problem is not None:
+        raise CorruptSnapshot(f"{source}: not a mingpt-ddp snapshot ({problem})")
     if doc_sha256(doc) != doc["meta_sha256"]:
         raise CorruptSnapshot(f"{source}: damaged ({COMMIT_FILE} checksum mismatch)")
     return doc
@@ -385,7 +390,8 @@ class ShardedWriter:
         start = time.perf_counter()
         url = self.store.url(name)
         tensors, plain = split_tensors(state)
-        doc = {"format_version": FORMAT_VERSION, "format": "sharded",
+        version = CHAR_FORMAT_VERSION if is_characters(metadata) else FORMAT_VERSION
+        doc = {"format_version": version, "format": "sharded",
                "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "world_size": world_size, **metadata, **plain}
         for attempt in range(1, self.attempts + 1):

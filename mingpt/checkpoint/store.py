@@ -7,8 +7,10 @@
 A snapshot is a `torch.save`d dict of plain Python types and tensors, loaded with `weights_only=True` (a snapshot
 is data: it may come from a shared bucket, and loading it never runs code). It holds everything needed to continue
 as if the job had never stopped: model weights (unwrapped), optimizer, GradScaler, progress (step, epoch, global
-samples consumed in the epoch), the model config and vocabulary, the training config, the world size, and a format
-version. Dropout needs no saved RNG state: the trainer reseeds it from (seed, step, rank) every step.
+samples consumed in the epoch), the model config and tokenizer (`tokenizer`: its full description, so that a
+snapshot alone generates text; snapshots from before it have only `vocab`, their characters), the training config,
+the world size, and a format version. Dropout needs no saved RNG state: the trainer reseeds it from (seed, step,
+rank) every step.
 
 Storage goes through fsspec: a local folder or any URL (`s3://...` through s3fs). A snapshot is never visible
 half-written: locally it is written to a temporary file in the same folder, fsynced and renamed into place; on an
@@ -39,6 +41,7 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+from mingpt.data import tokenizer as tokenizers
 from mingpt.errors import CorruptSnapshot, UsageError, describe, first_line, is_permanent  # noqa: F401 (re-exported)
 from mingpt.parallel.state import is_dtensor
 from mingpt.storage.durable import fsync_folder, temporary_name
@@ -47,7 +50,11 @@ from mingpt.storage.locations import check_location, resolve_path
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-FORMAT_VERSION = 1
+# A snapshot is written in the oldest format that holds it, and a reader refuses a newer format than it knows, in one
+# line. 1: the character tokenizer, whose `vocab` readers of format 1 use (they ignore `tokenizer`); 2: another
+# tokenizer, described only in `tokenizer` (a reader of format 1 would take its ids for characters).
+FORMAT_VERSION = 2
+CHAR_FORMAT_VERSION = 1
 ZIP_MAGIC = b"PK\x03\x04"  # what every torch.save file starts with
 NAME_PATTERN = re.compile(r"^snapshot-(\d{9})\.pt$")
 SHARDED_SUFFIX = ".dcp"
@@ -61,9 +68,9 @@ SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "bias", "vocab_size", "block_size
 OPTION_DEFAULTS = {"positions": "learned", "rope_base": 10000.0, "norm": "layernorm", "activation": "gelu",
                    "qk_norm": False, "tie_embeddings": True, "logit_softcap": None, "bigram_embedding": False}
 OPTION_FIELDS = tuple(OPTION_DEFAULTS)
-REQUIRED_KEYS = ("format_version", "model", "optimizer", "progress", "model_config", "vocab", "integrity_sha256")
+REQUIRED_KEYS = ("format_version", "model", "optimizer", "progress", "model_config", "integrity_sha256")
 REQUIRED_TYPES = {"format_version": int, "model": dict, "optimizer": dict, "progress": dict, "model_config": dict,
-                  "vocab": str, "integrity_sha256": str}
+                  "integrity_sha256": str}
 
 # A save that fails is tried again: a store that is briefly unreachable (an S3 endpoint restarting, a network blip)
 # should not cost a snapshot, and one that stays down must not hold up the run for long either (the next periodic
@@ -168,11 +175,26 @@ def describe_nonfinite(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
 
 
+# --------------------------------------------------------------------------------------------------- tokenizer
+def tokenizer_fields(description: dict) -> dict:
+    """What a snapshot records of its tokenizer: its description, and for characters their string as `vocab` too
+    (what readers of format 1 read)."""
+    fields = {"tokenizer": description}
+    if description["kind"] == tokenizers.CharTokenizer.kind:
+        fields["vocab"] = description["chars"]
+    return fields
+
+
+def format_version_of(snapshot: dict) -> int:
+    """The format a snapshot (or a run's metadata) is written in: the oldest that holds its tokenizer."""
+    return CHAR_FORMAT_VERSION if tokenizers.is_characters(snapshot) else FORMAT_VERSION
+
+
 # --------------------------------------------------------------------------------------------------- bytes
 def build(state: dict, metadata: dict, world_size: int) -> dict:
-    """A complete snapshot from the trainer's state and the run's metadata (model config, vocab, train config)."""
+    """A complete snapshot from the trainer's state and the run's metadata (model config, tokenizer, train config)."""
     snapshot = {
-        "format_version": FORMAT_VERSION,
+        "format_version": format_version_of(metadata),
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "world_size": world_size,
         **metadata,
@@ -225,6 +247,9 @@ def from_bytes(data: bytes, source: str) -> dict:
             f"{source} has snapshot format {snapshot['format_version']}, newer than this code understands "
             f"({FORMAT_VERSION}); update mingpt-ddp"
         )
+    problem = tokenizers.description_problem(snapshot)
+    if problem is not None:
+        raise CorruptSnapshot(f"{source}: not a mingpt-ddp snapshot ({problem})")
     if integrity_sha256(snapshot) != snapshot["integrity_sha256"]:
         raise CorruptSnapshot(f"{source}: damaged (tensor checksum mismatch)")
     return snapshot
@@ -236,18 +261,15 @@ def _first_sentence(error: BaseException) -> str:
     return line.split(". ", 1)[0].rstrip(".") if len(line) > 100 else line
 
 
-def check_compatible(snapshot: dict, model_config: dict, vocab: str, source: str) -> None:
-    """A snapshot of another model shape or vocabulary must never be silently trained over (or ignored)."""
+def check_compatible(snapshot: dict, model_config: dict, tokenizer: dict | str, source: str) -> None:
+    """A snapshot of another model shape or tokenizer must never be silently trained over (or ignored). `tokenizer`
+    is the run's description (a string: the characters, as callers from before tokenizers pass them)."""
     saved = snapshot["model_config"]
-    # The vocabulary first: other data changes vocab_size as well, and "different vocabulary" names the cause.
-    if snapshot["vocab"] != vocab:
-        added = "".join(sorted(set(vocab) - set(snapshot["vocab"])))
-        missing = "".join(sorted(set(snapshot["vocab"]) - set(vocab)))
-        raise UsageError(
-            f"snapshot {source} has a different vocabulary ({len(snapshot['vocab'])} characters, this data "
-            f"{len(vocab)}; only in the data: {added!r}, only in the snapshot: {missing!r}; use another "
-            f"trainer_config.snapshot_path for other data)"
-        )
+    # The tokenizer first: other data changes vocab_size as well, and "different vocabulary" names the cause.
+    different = tokenizers.difference(tokenizers.snapshot_tokenizer(snapshot), tokenizer)
+    if different is not None:
+        raise UsageError(f"snapshot {source} {different}; use another trainer_config.snapshot_path for other data "
+                         f"or another tokenizer")
     saved, wanted = with_option_defaults(saved), with_option_defaults(model_config)
     for name in (*SHAPE_FIELDS, *OPTION_FIELDS):
         if saved.get(name) != wanted.get(name):
@@ -531,12 +553,13 @@ class SnapshotStore:
             self.fs.pipe_file(f"{written}/{_sharded().COMMIT_FILE}", json.dumps(doc).encode())
 
     def load_newest_valid(
-        self, model_config: Optional[dict] = None, vocab: Optional[str] = None
+        self, model_config: Optional[dict] = None, tokenizer: Optional[dict | str] = None
     ) -> Optional[tuple[Entry, dict]]:
         """The newest snapshot that reads back intact and finite; damaged and non-finite ones are reported in one
         line each and skipped.
 
-        With `model_config` and `vocab`, one of another model shape or vocabulary is an error, not skipped; so
+        With `model_config` and `tokenizer` (a description; a string: characters), one of another model shape or
+        tokenizer is an error, not skipped; so
         are a newer format and pickled code. Snapshots that are all damaged (or not finite) are an error too:
         starting afresh would overwrite them (and prune them) and throw away whatever could still be recovered.
         A store that fails to list or read is tried again as a failed save is (`read_with_retries`), then is a
@@ -554,8 +577,8 @@ class SnapshotStore:
                 log.warning("skipping snapshot %s", e)
                 damaged.append(str(e))
                 continue
-            if model_config is not None and vocab is not None:
-                check_compatible(snapshot, model_config, vocab, source)
+            if model_config is not None and tokenizer is not None:
+                check_compatible(snapshot, model_config, tokenizer, source)
             # A diverged run's (written before snapshots were checked): resuming it would train NaN forever. Folders
             # of shards were checked on every rank when written.
             not_finite = [] if entry.sharded else nonfinite_tensors({"model": snapshot["model"],
@@ -947,7 +970,8 @@ def summary(snapshot: dict) -> dict:
         "epoch_samples": progress["epoch_samples"],
         "world_size": snapshot["world_size"],
         "n_params": sum(t.numel() for k, t in model.items() if k not in second_names),
-        "vocab_size": len(snapshot["vocab"]),
+        "vocab_size": tokenizers.tokenizer_size(tokenizers.snapshot_tokenizer(snapshot)),
+        "tokenizer": tokenizers.snapshot_tokenizer(snapshot)["kind"],
         "val_loss": progress.get("val_loss"),
         "created_at": snapshot["created_at"],
         "weights_sha256": weights_sha256(model),
@@ -998,7 +1022,7 @@ def single_file(snapshot: dict) -> dict:
     """A verified snapshot of either kind as a single-file snapshot (full tensors), its digests renewed."""
     if "shards" not in snapshot:
         return snapshot
-    return seal({**_sharded().full_state(snapshot), "format_version": FORMAT_VERSION})
+    return seal({**_sharded().full_state(snapshot), "format_version": format_version_of(snapshot)})
 
 
 def consolidate(source: str, target: str) -> str:
@@ -1035,7 +1059,8 @@ def export(source: str, target: str) -> str:
         tied["lm_head.weight"] = "transformer.wte.weight"
     stored = {name: tensor for name, tensor in model.items() if name not in tied}
     config = {"format": "mingpt-ddp safetensors export", "format_version": 1, "model_config": snapshot["model_config"],
-              "vocab": snapshot["vocab"], "tied_weights": tied, "step": snapshot["progress"]["step"],
+              **tokenizer_fields(tokenizers.snapshot_tokenizer(snapshot)), "tied_weights": tied,
+              "step": snapshot["progress"]["step"],
               "val_loss": snapshot["progress"].get("val_loss"), "weights_sha256": weights_sha256(model),
               "source": resolve_path(source)}
     store = SnapshotStore(resolve_path(target))

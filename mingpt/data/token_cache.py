@@ -1,7 +1,8 @@
-"""The encoded-corpus cache: text sources -> one token file, its vocabulary and a manifest, built once per node.
+"""The encoded-corpus cache: text sources -> one token file, its tokenizer and a manifest, built once per node.
 
     >>> tokens = open_tokens("/data/books/*.txt", separator="\\n", cache_dir=Path("~/.cache/mingpt-ddp/data"))
-    >>> tokens.vocab, tokens.n_tokens, tokens.path        # the ids are positions in the sorted vocabulary
+    >>> tokens.tokenizer, tokens.n_tokens, tokens.path    # characters: ids are positions in the sorted vocabulary
+    >>> open_tokens(..., tokenizer=TokenizerChoice("bpe", 4096))   # a byte-level BPE trained on the text, cached
 
 A location is a file, a folder (every file under it, hidden ones skipped), a glob, or the same as an fsspec URL
 (`s3://bucket/corpus/*.txt`). Its files are joined in sorted order with `separator` between them, and encoded in
@@ -9,9 +10,16 @@ two streamed passes of bounded memory (the vocabulary, then the ids; numpy, no p
 uint8/uint16/uint32 ids, whichever the vocabulary fits. Remote files are copied to the cache folder once in the
 first pass, never once per rank.
 
-One folder per (location, separator) under the cache directory holds `manifest.json` (format version, the
-sources' paths, sizes and versions -- modification time or ETag --, the vocabulary, the token count, dtype and
-CRC-32) and the token file it names. Both are written under temporary names and renamed, the manifest last, so a
+With a BPE (tokenizer.py) the first pass trains it on the text (on a bounded sample, spread over the text, of a
+large one), or reads the tokenizer file; the second encodes the text in pieces cut where the ids cannot change, in
+parallel; the tokenizer is written beside the manifest as tokenizer.json, which the manifest checks by SHA-256. So
+the ranks of a node and every restart share one tokenizer, trained once.
+
+One folder per (location, separator, tokenizer settings -- none for characters, so their caches are those from
+before tokenizers: the kind and vocab_size of a trained BPE, the SHA-256 of a tokenizer file) under the cache
+directory holds `manifest.json` (format version, the sources' paths, sizes and versions -- modification time or
+ETag --, the vocabulary or the tokenizer file's SHA-256, the token count, dtype and CRC-32) and the token file it
+names. Both are written under temporary names and renamed, the manifest last, so a
 cache is complete or absent; a manifest whose sources no longer match is rebuilt, a damaged one (bad JSON, its
 own checksum, the token file's size or CRC-32) too, with a warning. Every process that opens the cache checks the
 token file's CRC-32 before it maps it (about 1.7 GB/s here): a damaged cache is never trained on.
@@ -43,6 +51,18 @@ import fsspec
 import fsspec.implementations.local
 import numpy as np
 
+from mingpt.data.tokenizer import (  # noqa: F401 (Encoder and id_dtype: the cache's, re-exported)
+    TOKENIZER_FILE,
+    UNICODE_SIZE,
+    BpeTokenizer,
+    CharTokenizer,
+    Encoder,
+    Tokenizer,
+    TokenizerChoice,
+    id_dtype,
+    non_ascii_codes,
+    split_at_boundaries,
+)
 from mingpt.errors import UsageError, first_line
 from mingpt.storage.durable import fsync_folder
 
@@ -50,9 +70,6 @@ log = logging.getLogger("mingpt")
 
 FORMAT_VERSION = 1
 CHUNK_BYTES = 4 << 20  # bytes read at a time: the encoder's memory is a small multiple of this
-UNICODE_SIZE = 0x110000
-CONTINUATION_BYTES = bytes(range(0x80, 0xC0))
-ASCII_MARK = 0xFF  # an ASCII character's id is below 128 (ASCII sorts first): 0xFF marks the other characters
 WAIT_POLL_S = 0.2
 NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}  # file systems without flock (Lustre...)
 ROOM_MARGIN = 64 << 10  # the file system's own blocks, on top of what is written
@@ -75,10 +92,15 @@ class Tokens:
     path: Path
     dtype: np.dtype
     n_tokens: int
-    vocab: str
+    tokenizer: Tokenizer
     sources: list[Source]
     built_now: bool  # False: an existing cache was reused
     fd: int
+
+    @property
+    def vocab(self) -> str:
+        """The characters of a character tokenizer (what the cache held before tokenizers); "" for another."""
+        return getattr(self.tokenizer, "chars", "")
 
     def array(self, start: int = 0, count: Optional[int] = None) -> np.ndarray:
         """The ids [start, start + count) as a read-only memory map (an empty array for none): for whole reads."""
@@ -315,13 +337,6 @@ def _complete_prefix(chunk: bytes) -> int:
     return len(chunk)  # four continuation bytes: invalid anyway, and decode says where
 
 
-def _non_ascii(chunk: np.ndarray) -> np.ndarray:
-    """The code points of a chunk's non-ASCII characters, in order (its bytes >= 0x80 are exactly their
-    encodings, so they decode on their own)."""
-    text = chunk[chunk >= 0x80].tobytes().decode("utf-8")
-    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-
-
 class CharScan:
     """The first pass: which characters occur, and how many characters there are."""
 
@@ -347,61 +362,36 @@ class CharScan:
             self.n_chars += len(chunk)
             return
         raw = np.frombuffer(chunk, dtype=np.uint8)
-        self.seen[_non_ascii(raw)] = True
+        self.seen[non_ascii_codes(raw)] = True
         self.n_chars += len(chunk) - int(np.count_nonzero((raw & 0xC0) == 0x80))
 
     def vocab(self) -> str:
         return "".join(map(chr, np.flatnonzero(self.seen)))
 
 
-def id_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned type that holds every id."""
-    return np.dtype(np.uint8 if vocab_size <= 1 << 8 else np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+BPE_SAMPLE_BYTES = 64 << 20  # what a BPE is trained on at most: its time and memory stay bounded on any corpus
 
 
-class Encoder:
-    """Text bytes -> ids of a sorted vocabulary, vectorised; a character outside the vocabulary is a UsageError."""
+class TrainingSample:
+    """The chunks a BPE is trained on: all of a text up to BPE_SAMPLE_BYTES, else every k-th chunk, spread over the
+    whole text (the same chunks for the same text: training is deterministic)."""
 
-    def __init__(self, vocab: str) -> None:
-        self.dtype = id_dtype(len(vocab))
-        codes = np.frombuffer(vocab.encode("utf-32-le"), dtype=np.uint32)
-        self._known = np.zeros(UNICODE_SIZE, dtype=bool)
-        self._known[codes] = True
-        self._ids = np.zeros(UNICODE_SIZE, dtype=self.dtype)
-        self._ids[codes] = np.arange(len(codes), dtype=self.dtype)
-        ascii_table = np.full(256, ASCII_MARK, dtype=np.uint8)
-        ascii_codes = codes[codes < 0x80]
-        ascii_table[ascii_codes] = self._ids[ascii_codes]
-        self._ascii_table = ascii_table.tobytes()
+    def __init__(self, total_bytes: int, budget: int = BPE_SAMPLE_BYTES) -> None:
+        self.stride = max(1, -(-total_bytes // budget))
+        self.chunks: list[bytes] = []
+        self.n_bytes, self._seen = 0, 0
 
-    def encode(self, chunk: bytes) -> np.ndarray:
-        """The ids of a chunk of valid UTF-8 (one that ends on a character boundary)."""
-        # One byte per character: ASCII -> its id, a lead byte -> the mark, continuation bytes (0x80-0xBF, which
-        # in valid UTF-8 are nothing else) deleted. ~600 MB/s, where masking and compressing runs at ~200 MB/s.
-        ids8 = np.frombuffer(chunk.translate(self._ascii_table, CONTINUATION_BYTES), dtype=np.uint8)
-        marks = np.flatnonzero(ids8 == ASCII_MARK)
-        if chunk.isascii():
-            if marks.size:
-                self._refuse(ids8[:0], chunk)
-            return ids8 if self.dtype == np.uint8 else ids8.astype(self.dtype)
-        codes = _non_ascii(np.frombuffer(chunk, dtype=np.uint8))
-        if marks.size != codes.size or not self._known[codes].all():
-            self._refuse(codes, chunk)
-        ids = ids8.astype(self.dtype)
-        ids[marks] = self._ids[codes]
-        return ids
+    def add(self, chunk: bytes) -> None:
+        if self._seen % self.stride == 0:
+            self.chunks.append(chunk)
+            self.n_bytes += len(chunk)
+        self._seen += 1
 
-    def _refuse(self, codes: np.ndarray, chunk: bytes) -> None:
-        """The characters of a chunk outside the vocabulary, in one line."""
-        raw = np.frombuffer(chunk, dtype=np.uint8)
-        every = np.unique(np.concatenate([raw[raw < 0x80].astype(np.uint32), codes]))
-        chars = "".join(map(chr, every[~self._known[every]]))
-        raise UsageError(f"characters not in the vocabulary: {chars!r}")
-
-
-def encode_text(text: str, vocab: str) -> np.ndarray:
-    """Ids of an in-memory text (tests, prompts): the same encoder as the cache's."""
-    return Encoder(vocab).encode(text.encode("utf-8"))
+    def texts(self) -> Iterator[str]:
+        """The sample as pieces of about 64 KiB, cut between lines (words stay whole). The trainer holds each text
+        it is given pre-tokenized: 4 MiB chunks took it to 880 MB on 16 MB of text, 64 KiB pieces to 85 MB."""
+        while self.chunks:
+            yield from split_at_boundaries(self.chunks.pop(0))  # each chunk freed once the trainer has read it
 
 
 # ------------------------------------------------------------------------------------------------------ the cache
@@ -411,22 +401,24 @@ def default_cache_dir() -> Path:
     return Path(base) / "mingpt-ddp" / "data"
 
 
-def entry_dir(cache_dir: Path, location: str, separator: str) -> Path:
-    """The cache folder of one (location, separator): readable name, unique hash."""
-    key = hashlib.sha256(json.dumps([location, separator]).encode()).hexdigest()[:16]
+def entry_dir(cache_dir: Path, location: str, separator: str, tokenizer: TokenizerChoice = TokenizerChoice()) -> Path:
+    """The cache folder of one (location, separator, tokenizer settings): readable name, unique hash. The
+    character tokenizer adds nothing to the key (its caches are those from before tokenizers were chosen)."""
+    extra = tokenizer.cache_key()
+    key = hashlib.sha256(json.dumps([location, separator] + ([extra] if extra else [])).encode()).hexdigest()[:16]
     tail = location.rstrip("/").rsplit("/", 1)[-1]
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", tail)[:40].strip("._") or "corpus"
-    return cache_dir / f"{slug}-{key}"
+    return cache_dir / f"{slug}-{key}{'' if extra is None else '-' + tokenizer.kind}"
 
 
 def open_tokens(location: str, separator: str, cache_dir: Path, build: bool = True, timeout_s: float = 3600.0,
                 progress: Optional[Callable[[str, int], Callable[[int], None]]] = None,
-                rebuild: bool = False) -> Tokens:
-    """The verified cache of `location`, built here if it is missing, stale or damaged and `build` is True;
-    otherwise waits (up to `timeout_s`) for a builder to make one. `progress(phase, total_bytes)` returns a
-    callback that is given the bytes done."""
+                rebuild: bool = False, tokenizer: TokenizerChoice = TokenizerChoice()) -> Tokens:
+    """The verified cache of `location` encoded with `tokenizer`, built here if it is missing, stale or damaged and
+    `build` is True; otherwise waits (up to `timeout_s`) for a builder to make one. `progress(phase, total_bytes)`
+    returns a callback that is given the bytes done."""
     sources = list_sources(location)
-    entry = CacheEntry(entry_dir(cache_dir, location, separator), location, separator)
+    entry = CacheEntry(entry_dir(cache_dir, location, separator, tokenizer), location, separator, tokenizer)
     deadline = time.monotonic() + timeout_s
     if build:
         return _open_or_build(entry, sources, deadline, progress, rebuild)
@@ -487,8 +479,9 @@ def _flock(handle, mode: int, deadline: float, folder: Path) -> bool:
 class CacheEntry:
     """One cache folder: its lock, its manifest, its token file."""
 
-    def __init__(self, path: Path, location: str, separator: str) -> None:
-        self.dir, self.location, self.separator = path, location, separator
+    def __init__(self, path: Path, location: str, separator: str,
+                 tokenizer: TokenizerChoice = TokenizerChoice()) -> None:
+        self.dir, self.location, self.separator, self.choice = path, location, separator, tokenizer
         self.manifest_path = path / "manifest.json"
 
     def manifest_stamp(self) -> Optional[tuple[int, int, int]]:
@@ -564,10 +557,27 @@ class CacheEntry:
                 f"{path.name} does not match its CRC-32" if _crc32_of(fd) != manifest["tokens_crc32"] else "")
         except OSError as e:
             why = f"{path.name} is unreadable ({e.strerror or e})"
+        tokenizer = None
+        if not why:
+            tokenizer, why = self._tokenizer_of(manifest)
         if why:
             os.close(fd)
             return None, self._damaged(why)
-        return Tokens(path, dtype, manifest["n_tokens"], manifest["vocab"], sources, built_now=False, fd=fd), ""
+        return Tokens(path, dtype, manifest["n_tokens"], tokenizer, sources, built_now=False, fd=fd), ""
+
+    def _tokenizer_of(self, manifest: dict) -> tuple[Optional[Tokenizer], str]:
+        """(the cache's tokenizer, "") or (None, why its file is damaged). Characters: the manifest's vocabulary;
+        a BPE: the tokenizer.json beside it, checked against the SHA-256 the manifest records."""
+        if self.choice.kind == "char":
+            return CharTokenizer(manifest["vocab"]), ""
+        path = self.dir / manifest["tokenizer_file"]
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            return None, f"{path.name} is unreadable ({e.strerror or e})"
+        if hashlib.sha256(data).hexdigest() != manifest["tokenizer_sha256"]:
+            return None, f"{path.name} does not match its SHA-256"
+        return BpeTokenizer(data.decode("utf-8"), manifest["tokenizer_origin"]), ""
 
     @staticmethod
     def _damaged(what: str) -> str:
@@ -586,15 +596,15 @@ class CacheEntry:
         path = self.dir / f"tokens-{uuid.uuid4().hex[:12]}.bin"
         spools: dict[str, Path] = {}
         try:
-            scan = self._scan(sources, spools, progress)
-            vocab = scan.vocab()
-            encoder = Encoder(vocab)
-            self._check_room(scan.n_chars * encoder.dtype.itemsize + 4 * len(vocab), "the token file and manifest")
-            crc, n_tokens = self._write_tokens(sources, spools, encoder, path, progress)
+            tokenizer, most_tokens = self._first_pass(sources, spools, progress)
+            # the manifest's vocabulary, or tokenizer.json
+            described = len(tokenizer.chars) if isinstance(tokenizer, CharTokenizer) else len(tokenizer.json)
+            self._check_room(most_tokens * tokenizer.dtype.itemsize + 4 * described, "the token file and manifest")
+            crc, n_tokens = self._write_tokens(sources, spools, tokenizer, path, progress)
             if list_sources(self.location) != sources:
                 raise UsageError(f"the data files of {self.location} changed while they were being encoded: run "
                                  f"again")
-            self._write_manifest(sources, vocab, n_tokens, encoder.dtype, path.name, crc)
+            self._write_manifest(sources, tokenizer, n_tokens, path.name, crc)
         except BaseException:
             path.unlink(missing_ok=True)
             raise
@@ -603,25 +613,58 @@ class CacheEntry:
                 spool.unlink(missing_ok=True)
         self._remove_leftovers()
         seconds = time.perf_counter() - start
-        log.info("data: encoded %s characters (vocabulary of %d) in %.1f s, %.0f MB/s", f"{n_tokens:,}", len(vocab),
-                 seconds, total / max(seconds, 1e-9) / 1e6)
-        return Tokens(path, encoder.dtype, n_tokens, vocab, sources, built_now=True, fd=_pinned(path))
+        if isinstance(tokenizer, CharTokenizer):
+            log.info("data: encoded %s characters (vocabulary of %d) in %.1f s, %.0f MB/s", f"{n_tokens:,}",
+                     tokenizer.size, seconds, total / max(seconds, 1e-9) / 1e6)
+        else:
+            log.info("data: encoded %s tokens (%s) in %.1f s, %.1f MB/s", f"{n_tokens:,}", tokenizer.summary(),
+                     seconds, total / max(seconds, 1e-9) / 1e6)
+        return Tokens(path, tokenizer.dtype, n_tokens, tokenizer, sources, built_now=True, fd=_pinned(path))
 
-    def _write_manifest(self, sources: list[Source], vocab: str, n_tokens: int, dtype: np.dtype, name: str,
+    def _write_manifest(self, sources: list[Source], tokenizer: Tokenizer, n_tokens: int, name: str,
                         crc: int) -> None:
+        """The manifest, last; a BPE's tokenizer.json (its full description) first, beside it."""
         manifest = {"format_version": FORMAT_VERSION, "location": self.location, "separator": self.separator,
-                    "sources": [asdict(s) for s in sources], "vocab": vocab, "n_tokens": n_tokens,
-                    "dtype": dtype.name, "tokens_file": name, "tokens_crc32": crc}
+                    "sources": [asdict(s) for s in sources]}
+        if isinstance(tokenizer, CharTokenizer):
+            manifest["vocab"] = tokenizer.chars
+        else:
+            data = tokenizer.json.encode("utf-8")
+            _write_atomically(self.dir / TOKENIZER_FILE, data)
+            manifest.update(tokenizer=self.choice.cache_key(), tokenizer_file=TOKENIZER_FILE,
+                            tokenizer_sha256=hashlib.sha256(data).hexdigest(), tokenizer_origin=tokenizer.origin)
+        manifest.update(n_tokens=n_tokens, dtype=tokenizer.dtype.name, tokens_file=name, tokens_crc32=crc)
         manifest["manifest_sha256"] = _digest(manifest)
         _write_atomically(self.manifest_path, json.dumps(manifest, ensure_ascii=False, indent=1).encode())
 
-    def _scan(self, sources: list[Source], spools: dict[str, Path], progress) -> CharScan:
-        """The first pass: vocabulary and length; remote files copied into the folder on the way."""
-        scan = CharScan()
+    def _first_pass(self, sources: list[Source], spools: dict[str, Path], progress) -> tuple[Tokenizer, int]:
+        """The first pass and the tokenizer it gives: the corpus's characters, a BPE trained on a bounded sample
+        of it, or the tokenizer file's; with the most tokens the text can have (for the room check)."""
+        if self.choice.kind == "char":
+            scan = CharScan()
+            self._scan(sources, spools, progress, scan.add)
+            return CharTokenizer(scan.vocab()), scan.n_chars
+        if self.choice.kind == "path":
+            return self.choice.load(), self._scan(sources, spools, progress, None)
+        sample = TrainingSample(sum(s.size for s in sources))
+        n_bytes = self._scan(sources, spools, progress, sample.add)
+        start = time.perf_counter()
+        origin = f"data_config.tokenizer=bpe, vocab_size={self.choice.vocab_size}, trained on {self.location}"
+        tokenizer = BpeTokenizer.train(sample.texts(), self.choice.vocab_size, origin)
+        log.info("data: trained %s on %s bytes of the text in %.1f s", tokenizer.summary(), f"{sample.n_bytes:,}",
+                 time.perf_counter() - start)
+        return tokenizer, n_bytes
+
+    def _scan(self, sources: list[Source], spools: dict[str, Path], progress,
+              visit: Optional[Callable[[bytes], None]]) -> int:
+        """The first pass: every chunk (and separator) of the text to `visit`, checked to be UTF-8; remote files
+        copied into the folder on the way. Returns the text's bytes."""
+        n_bytes = 0
         remote = [s for s in sources if "://" in s.path]
         if remote:
             self._check_room(sum(s.size for s in remote), "local copies of the remote files")
         tick = progress("scanning", sum(s.size for s in sources)) if progress else None
+        separator = self.separator.encode("utf-8")
         for i, source in enumerate(sources):
             with _no_room_on_enospc(self.dir), contextlib.ExitStack() as files:
                 stream = files.enter_context(_open_source(source))
@@ -630,24 +673,28 @@ class CacheEntry:
                     spools[source.path] = self.dir / f"source-{uuid.uuid4().hex[:12]}.tmp"
                     spool = files.enter_context(open(spools[source.path], "wb"))
                 for chunk in utf8_chunks(stream, source.path):
-                    scan.add(chunk)
+                    n_bytes += len(chunk)
+                    if visit is not None:
+                        visit(chunk)
                     if spool is not None:
                         spool.write(chunk)
                     if tick:
                         tick(len(chunk))
             if i + 1 < len(sources):
-                scan.add(self.separator.encode("utf-8"))
-        if scan.n_chars == 0:
+                n_bytes += len(separator)
+                if visit is not None:
+                    visit(separator)
+        if n_bytes == 0:
             raise UsageError(f"data file {self.location} is empty")
-        return scan
+        return n_bytes
 
-    def _write_tokens(self, sources: list[Source], spools: dict[str, Path], encoder: Encoder, path: Path,
+    def _write_tokens(self, sources: list[Source], spools: dict[str, Path], tokenizer: Tokenizer, path: Path,
                       progress) -> tuple[int, int]:
         """The second pass: ids into a temporary file, renamed into place once complete. (CRC-32, count)."""
         tmp = path.with_suffix(".tmp")
         try:
             with _no_room_on_enospc(self.dir), open(tmp, "wb") as out:
-                crc, count = self._encode_into(out, sources, spools, encoder, progress)
+                crc, count = self._encode_into(out, sources, spools, tokenizer, progress)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, path)
@@ -655,23 +702,28 @@ class CacheEntry:
             tmp.unlink(missing_ok=True)  # a failed pass leaves nothing behind
         return crc, count
 
-    def _encode_into(self, out: BinaryIO, sources: list[Source], spools: dict[str, Path], encoder: Encoder,
+    def _encode_into(self, out: BinaryIO, sources: list[Source], spools: dict[str, Path], tokenizer: Tokenizer,
                      progress) -> tuple[int, int]:
         crc, count = 0, 0
-        separator = encoder.encode(self.separator.encode("utf-8")) if len(sources) > 1 else None
+        encoder = tokenizer.stream_encoder()
+        separator = self.separator.encode("utf-8")
         tick = progress("encoding", sum(s.size for s in sources)) if progress else None
+
+        def emit(ids: np.ndarray) -> None:
+            nonlocal crc, count
+            crc, count = zlib.crc32(ids, crc), count + ids.size
+            out.write(ids)
+
         for i, source in enumerate(sources):
             spool = spools.get(source.path)
             with (open(spool, "rb") if spool else _open_source(source)) as stream:
                 for chunk in utf8_chunks(stream, source.path):
-                    ids = encoder.encode(chunk)
-                    crc, count = zlib.crc32(ids, crc), count + ids.size
-                    out.write(ids)
+                    emit(encoder.feed(chunk))
                     if tick:
                         tick(len(chunk))
             if i + 1 < len(sources):
-                crc, count = zlib.crc32(separator, crc), count + separator.size
-                out.write(separator)
+                emit(encoder.feed(separator))
+        emit(encoder.finish())
         return crc, count
 
     def _check_room(self, needed: int, what: str) -> None:

@@ -64,7 +64,8 @@ class MetricsLog:
     other ranks."""
 
     TENSORBOARD_TAGS = {
-        "train_loss": "loss/train", "val_loss": "loss/val", "lr": "lr", "tokens_per_s": "throughput/tokens_per_s",
+        "train_loss": "loss/train", "val_loss": "loss/val", "val_bpb": "bpb/val", "lr": "lr",
+        "tokens_per_s": "throughput/tokens_per_s",
         "ms_per_step": "throughput/ms_per_step", "grad_norm": "grad_norm", "loss_scale": "loss_scale",
     }
 
@@ -146,8 +147,9 @@ def report_end(metrics: MetricsLog, digest: str, digests: list[str], **summary) 
                  len(digests), digest[:16])
     if metrics.path is not None:
         summary = {**summary, "weights_sha256": digest, "rank_weights_sha256": digests, "replicas_identical": identical}
-        order = ("steps", "epochs_completed", "finished", "val_loss", "best_val_loss", "skipped_steps", "rollbacks",
-                 "weights_sha256", "rank_weights_sha256", "replicas_identical", "wall_time_s", "world_size")
+        order = ("steps", "epochs_completed", "finished", "val_loss", "val_bpb", "best_val_loss", "skipped_steps",
+                 "rollbacks", "weights_sha256", "rank_weights_sha256", "replicas_identical", "wall_time_s",
+                 "world_size")
         text = json.dumps({key: summary[key] for key in order if key in summary}, indent=2) + "\n"
         (metrics.path.parent / SUMMARY_FILE).write_text(text)
 

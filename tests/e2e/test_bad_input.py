@@ -366,7 +366,8 @@ CASES: dict[str, Case] = {case.id: case for case in [
         ["trainer_config.max_steps=20"],
         prepare=lambda d, s: craft(s, snap.snapshot_name(11),
                                    lambda x: x.update(format_version=snap.FORMAT_VERSION + 1)),
-        error=r"snapshot-000000011\.pt has snapshot format 2, newer than this code understands \(1\)"),
+        error=rf"snapshot-000000011\.pt has snapshot format {snap.FORMAT_VERSION + 1}, newer than this code "
+              rf"understands \({snap.FORMAT_VERSION}\)"),
     refused("snapshot: pickled code",
         ["trainer_config.max_steps=20"],
         prepare=lambda d, s: craft(s, snap.snapshot_name(11), lambda x: x.update(progress=WritesMarker(d / "code-ran")),

@@ -20,7 +20,7 @@ def test_round_trip_keeps_everything():
     original = make_snapshot()
     loaded = snap.from_bytes(snap.to_bytes(original), "mem")
     assert loaded["progress"] == original["progress"]
-    assert loaded["world_size"] == 2 and loaded["format_version"] == snap.FORMAT_VERSION
+    assert loaded["world_size"] == 2 and loaded["format_version"] == snap.CHAR_FORMAT_VERSION  # characters
     assert loaded["vocab"] == SNAPSHOT_VOCAB and loaded["model_config"]["n_layer"] == 1
     assert all(torch.equal(loaded["model"][k], v) for k, v in original["model"].items())
     assert loaded["weights_sha256"] == snap.weights_sha256(loaded["model"])

@@ -113,8 +113,9 @@ DISTRIBUTION = {"hydra": "hydra-core", "mlflow": "mlflow-skinny", "botocore": "s
 # A dependency loaded by another by name, never imported by the project's code
 LOADED = {"s3fs": "fsspec, for s3:// URLs"}
 # The only modules that may import an extra's packages: each on first use, inside a function
-OPTIONAL_USERS = {"hf": {"mingpt/checkpoint/hf_export.py"}, "mlflow": {"mingpt/reporting/trackers.py"},
-                  "wandb": {"mingpt/reporting/trackers.py"}, "tensorboard": set()}
+OPTIONAL_USERS = {"hf": {"mingpt/checkpoint/hf_export.py", "mingpt/data/tokenizer.py"},
+                  "mlflow": {"mingpt/reporting/trackers.py"}, "wandb": {"mingpt/reporting/trackers.py"},
+                  "tensorboard": set()}
 
 
 def imported_distributions() -> dict[str, set[str]]:
