@@ -5,7 +5,7 @@ served as (x, y) windows read from it, in an epoch order that needs no memory.
     >>> corpus = CharCorpus.load(DataConfig(path="data/input.txt", block_size=128))
     >>> train, val = corpus.train_dataset(), corpus.val_dataset()
     >>> x, y = train[0]            # int64 ids of block_size tokens (characters by default), y shifted by one
-    >>> val.bits_per_byte(loss)    # a validation loss (nats per token) in bits per byte of the text
+    >>> val.token_bytes[y].sum()   # the UTF-8 bytes of the text the targets stand for (val_bpb's denominator)
 
 The text is split *before* windows are cut: the first `train_split` of the tokens train, the rest validate, so no
 validation window shares a token with a training window. The windows are read by position from the
@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -116,8 +115,8 @@ class CharDataset(Dataset):
     Training uses stride 1 (every position); evaluation uses stride `block_size`, so every character is predicted
     exactly once. `data` is the ids: a `TokenFile` (a stretch of the token cache, read by position), or an array
     or tensor in memory. `windows(indices)` reads a whole batch at once; `__getitems__` lets a DataLoader use it.
-    `token_bytes` (the UTF-8 bytes each id stands for) lets `bits_per_byte` turn a loss per token into bits per
-    byte of the text, which compares across tokenizers.
+    `token_bytes` (the UTF-8 bytes each id stands for, by id) lets the trainer turn a loss per token into bits per
+    byte of the text (val_bpb), which compares across tokenizers.
     """
 
     def __init__(self, data: TokenFile | np.ndarray | torch.Tensor, block_size: int, stride: int = 1,
@@ -154,28 +153,6 @@ class CharDataset(Dataset):
         else:
             ids = self.data[starts[:, None] + self._offsets]
         return torch.from_numpy(ids.astype(np.int64))
-
-    BYTES_BLOCK = 1 << 22  # ids read at a time to count the text's bytes: memory independent of the split
-
-    @cached_property
-    def text_bytes(self) -> int:
-        """The UTF-8 bytes of the text these ids encode (read once, a block at a time)."""
-        total = 0
-        for start in range(0, len(self.data), self.BYTES_BLOCK):
-            count = min(self.BYTES_BLOCK, len(self.data) - start)
-            if isinstance(self.data, TokenFile):
-                ids = self.data.read(np.array([start]), count)[0]
-            else:
-                ids = self.data[start : start + count]
-            total += int(self.token_bytes[ids].sum())
-        return total
-
-    def bits_per_byte(self, loss: float) -> Optional[float]:
-        """A mean loss per token (nats) in bits per UTF-8 byte of the text (nanochat's val_bpb): loss * tokens /
-        bytes / ln 2. None without `token_bytes`."""
-        if self.token_bytes is None or not self.text_bytes:
-            return None
-        return loss * len(self.data) / self.text_bytes / math.log(2)
 
 
 class CharCorpus:
@@ -246,8 +223,8 @@ class CharCorpus:
         return CharDataset(self._part(0, self.n_train), self.cfg.block_size)
 
     def val_dataset(self) -> CharDataset:
-        """Non-overlapping windows: each validation token is a target exactly once. Knows its text's bytes
-        (`bits_per_byte`)."""
+        """Non-overlapping windows: each validation token is a target exactly once. Knows each id's bytes
+        (`token_bytes`, for val_bpb)."""
         return CharDataset(self._part(self.n_train, self.n_tokens), self.cfg.block_size, stride=self.cfg.block_size,
                            token_bytes=self.tokenizer.token_bytes())
 

@@ -448,8 +448,11 @@ class Trainer:
         self.optimizers = parallel.optimizers
         self.scaler = parallel.gradient_scaler()
         self._setup_data(train_data, val_data)
-        # loss -> bits per byte of the validation text (val_bpb: compares across tokenizers); None: the data cannot say
-        self._bits_per_byte: Optional[Callable[[float], Optional[float]]] = getattr(val_data, "bits_per_byte", None)
+        # The UTF-8 bytes each id stands for, on the device: val_bpb counts the bytes of exactly the targets evaluated
+        # (it compares runs across tokenizers). None: the validation data cannot say.
+        token_bytes = getattr(val_data, "token_bytes", None)
+        self._target_bytes = (None if token_bytes is None else
+                              torch.as_tensor(token_bytes, dtype=torch.float64, device=self.ctx.device))
         self.metrics = MetricsLog(run_dir, enabled=self.ctx.is_main)
         # Progress: everything the position in training depends on, saved in snapshots (`state_dict`).
         self.step = 0  # optimizer steps done
@@ -457,6 +460,7 @@ class Trainer:
         self.epoch_samples = 0  # global samples consumed in the current epoch (world-size independent)
         self.epoch_order = EPOCH_ORDER  # the current epoch's order (an older snapshot's epoch ends in its own)
         self.last_val_loss: Optional[float] = None
+        self.last_val_bpb: Optional[float] = None  # the same evaluation in bits per byte of the text
         self.best_val_loss: Optional[float] = None  # the lowest validation loss so far (keep_best's mark)
         self.lr_scale = 1.0  # every learning rate's factor after rollbacks (on_divergence=rollback)
         self.rollbacks = 0
@@ -724,7 +728,8 @@ class Trainer:
     def state_dict(self) -> dict:
         """The trainer's own part of a snapshot: where training is."""
         return {"step": self.step, "epoch": self.epoch, "epoch_samples": self.epoch_samples,
-                "epoch_order": self.epoch_order, "val_loss": self.last_val_loss, "last_eval_step": self._last_eval_step,
+                "epoch_order": self.epoch_order, "val_loss": self.last_val_loss, "val_bpb": self.last_val_bpb,
+                "last_eval_step": self._last_eval_step,
                 "best_val_loss": self.best_val_loss, "skipped_steps": self.nonfinite.total, "lr_scale": self.lr_scale,
                 "rollbacks": self.rollbacks}
 
@@ -732,6 +737,7 @@ class Trainer:
         self.step, self.epoch, self.epoch_samples = progress["step"], progress["epoch"], progress["epoch_samples"]
         self.last_val_loss, self._last_eval_step = progress["val_loss"], progress["last_eval_step"]
         self.best_val_loss = progress.get("best_val_loss")  # older snapshots: none yet
+        self.last_val_bpb = progress.get("val_bpb")  # older snapshots: none
         self.nonfinite.total = progress.get("skipped_steps", 0)
         self.lr_scale, self.rollbacks = progress.get("lr_scale", 1.0), progress.get("rollbacks", 0)
         self.epoch_order = resumed_order(progress.get("epoch_order", LEGACY_ORDER), self.epoch_samples, self.ctx)
@@ -744,11 +750,12 @@ class Trainer:
     @torch.no_grad()
     def validation_loss(self) -> float:
         """Collective. Mean per-token loss over the validation windows of all ranks (at most eval_batches batches per
-        rank). Where a forward pass is a collective among ranks that read different windows (FSDP's shards), every
-        rank makes as many passes as the rank with the most windows: one whose own windows ran out runs a filler
-        batch, uncounted."""
+        rank); the same in bits per UTF-8 byte of those windows' targets in `last_val_bpb` (nanochat's val_bpb: the
+        nats summed over the targets / (ln 2 x their bytes)). Where a forward pass is a collective among ranks that
+        read different windows (FSDP's shards), every rank makes as many passes as the rank with the most windows:
+        one whose own windows ran out runs a filler batch, uncounted."""
         self.parallel.train(False)
-        totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)  # loss sum, tokens
+        totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # loss sum, tokens, their text's bytes
         done = 0
         for i, windows in enumerate(self.val_loader):
             if self.cfg.eval_batches is not None and i >= self.cfg.eval_batches:
@@ -759,14 +766,17 @@ class Trainer:
             if loss is not None:  # under pipeline parallelism: on the last stage's ranks only
                 totals[0] += loss.double() * tokens
                 totals[1] += tokens
+                if self._target_bytes is not None:
+                    totals[2] += self._target_bytes[y].sum()  # on the device: no read here
             done += 1
         if self._eval_lockstep is not None:
             passes, filler = self._eval_lockstep
             for _ in range(done, passes):
                 self.parallel.evaluate(*self.eval_shaped(*self.split(filler)))
         self.parallel.train(True)
-        loss_sum, count = self.ctx.all_reduce(totals)
-        return (loss_sum / count).item()
+        loss_sum, count, text_bytes = self.ctx.all_reduce(totals).tolist()  # one read
+        self.last_val_bpb = loss_sum / (math.log(2) * text_bytes) if text_bytes else None
+        return loss_sum / count
 
     def eval_shaped(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A validation batch padded to the evaluation batch size, its padding's targets ignored by the loss (-100,
@@ -784,7 +794,7 @@ class Trainer:
         start = time.perf_counter()
         self.last_val_loss = self.validation_loss()
         self._last_eval_step = self.step
-        bpb = self.val_bpb(self.last_val_loss)
+        bpb = None if self.last_val_bpb is None else round(self.last_val_bpb, 6)
         self.metrics.write({"step": self.step, "epoch": self.epoch, "val_loss": round(self.last_val_loss, 6),
                             **({} if bpb is None else {"val_bpb": bpb}),
                             "elapsed_s": round(time.perf_counter() - self._fit_start, 2)})
@@ -792,11 +802,6 @@ class Trainer:
                  "" if bpb is None else f" | val bpb {bpb:.4f}", time.perf_counter() - start)
         self.window.exclude(time.perf_counter() - start)  # evaluation time does not count against tokens/s
         return self.last_val_loss
-
-    def val_bpb(self, loss: Optional[float]) -> Optional[float]:
-        """A validation loss (nats per token) in bits per byte of the validation text, rounded as metrics are."""
-        bpb = None if loss is None or self._bits_per_byte is None else self._bits_per_byte(loss)
-        return None if bpb is None else round(bpb, 6)
 
     # ----------------------------------------------------------------------------------------------- reporting
     def _log_plan(self) -> None:
@@ -872,6 +877,7 @@ class Trainer:
         digest = weights_sha256_of(self.parallel.whole_tensors())  # canonical, whole
         report_end(self.metrics, digest, self.ctx.gather_objects(digest), steps=self.step, epochs_completed=self.epoch,
                    finished=not self.stopped_early, val_loss=self.last_val_loss,
-                   val_bpb=self.val_bpb(self.last_val_loss), best_val_loss=self.best_val_loss,
+                   val_bpb=None if self.last_val_bpb is None else round(self.last_val_bpb, 6),
+                   best_val_loss=self.best_val_loss,
                    skipped_steps=self.nonfinite.total, rollbacks=self.rollbacks,
                    wall_time_s=round(time.perf_counter() - self._fit_start, 2), world_size=self.ctx.world_size)

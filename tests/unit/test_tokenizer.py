@@ -241,20 +241,45 @@ def test_resuming_under_another_tokenizer_is_refused_in_one_line(bpe):
 
 
 # ----------------------------------------------------------------------------------------------------- bits per byte
+def evaluated_trainer(text: str, tokenizer, eval_batches=None):
+    """A one-block Trainer (main.build_trainer, this process) over `text` encoded by `tokenizer`, evaluated once:
+    the trainer, the validation loss, the corpus."""
+    import main
+    from mingpt.distributed.process_group import DistContext
+    from mingpt.optim import OptimizerConfig
+    from model import GPTConfig
+    from trainer import TrainerConfig
+
+    data = DataConfig(block_size=16)
+    cfg = main.TrainConfig(data, GPTConfig(n_layer=1, n_head=2, n_embd=16, dropout=0.0), OptimizerConfig(),
+                           TrainerConfig(mixed_precision="fp32", batch_size=4, eval_batches=eval_batches))
+    corpus = CharCorpus.from_text(text, data, tokenizer)
+    trainer = main.build_trainer(cfg, corpus, DistContext(), None, with_snapshots=False)
+    return trainer, trainer.validation_loss(), corpus
+
+
 def test_bits_per_byte_of_characters_on_ascii_is_the_loss_over_ln2():
-    corpus = CharCorpus.from_text(TEXT, DataConfig(block_size=16))
-    assert corpus.val_dataset().bits_per_byte(2.0) == pytest.approx(2.0 / math.log(2), rel=1e-12)
+    trainer, loss, _ = evaluated_trainer(TEXT[:20000], CharTokenizer(TEXT[:20000]))
+    assert trainer.last_val_bpb == pytest.approx(loss / math.log(2), rel=1e-12)
 
 
-def test_bits_per_byte_counts_the_utf8_bytes_of_the_validation_text(bpe):
+def test_bits_per_byte_counts_the_utf8_bytes_of_exactly_the_targets_evaluated(bpe):
+    """nanochat's val_bpb: the nats summed over the targets evaluated / (ln 2 x the UTF-8 bytes those targets stand
+    for), here over the first 3 validation batches of a text with multi-byte characters (not the whole split's
+    ratio, which differs)."""
     text = (TEXT[:20000] + ANY_TEXT) * 2
-    for tokenizer in (CharTokenizer(text), bpe):
-        corpus = CharCorpus.from_text(text, DataConfig(block_size=16), tokenizer)
-        val = corpus.val_dataset()
-        val_text = tokenizer.decode(corpus.ids(corpus.n_train, corpus.n_tokens))
-        assert val.text_bytes == len(val_text.encode("utf-8"))
-        assert val.bits_per_byte(1.5) == pytest.approx(1.5 * len(val.data) / val.text_bytes / math.log(2))
-    assert CharDataset(np.zeros(40, dtype=np.uint8), 8).bits_per_byte(1.0) is None  # without bytes per token
+    token_bytes = torch.from_numpy(bpe.token_bytes())
+    trainer, loss, corpus = evaluated_trainer(text, bpe, eval_batches=3)
+    targets, text_bytes = 0, 0
+    for _, windows in zip(range(3), trainer.val_loader):
+        y = windows[:, 1:]
+        targets, text_bytes = targets + y.numel(), text_bytes + int(token_bytes[y].sum())
+    assert text_bytes > targets  # several bytes a token: the ratio matters
+    assert trainer.last_val_bpb == pytest.approx(loss * targets / (math.log(2) * text_bytes), rel=1e-12)
+    split = torch.from_numpy(corpus.ids(corpus.n_train, corpus.n_tokens).astype(np.int64))
+    whole_split = loss * split.numel() / (math.log(2) * int(token_bytes[split].sum()))
+    assert trainer.last_val_bpb != pytest.approx(whole_split, rel=1e-6)
+    assert CharDataset(np.zeros(40, dtype=np.uint8), 8).token_bytes is None  # without bytes per token: no val_bpb
 
 
 def test_added_tokens_count_their_own_bytes(bpe):
