@@ -26,7 +26,7 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional, Sequence
 
 import hydra
 import torch
@@ -36,9 +36,11 @@ from omegaconf import DictConfig
 
 from char_dataset import CharCorpus, DataConfig
 from mingpt import config
+from mingpt.checkpoint.hf_import import Gpt2Folder, gpt2_state_dict, read_gpt2_folder
 from mingpt.checkpoint.store import SnapshotStore, describe_nonfinite, nonfinite_tensors, tokenizer_fields
 from mingpt.compat import check_torch_supported
 from mingpt.config import CONFIG_NAME, redacted, scrub_hydra_output, sweep_job_name, to_dataclasses
+from mingpt.data.tokenizer import tokenizer_file
 from mingpt.distributed.process_group import (
     DistContext,
     abandon_distributed,
@@ -56,6 +58,7 @@ from mingpt.distributed.stopping import exit_now
 from mingpt.errors import UsageError, describe
 from mingpt.optim import OptimizerConfig, build_optimizer, check_optimizer_fits, lr_factor
 from mingpt.parallel.layout import ParallelConfig, writes_shards
+from mingpt.parallel.materialize import InitialValue
 from mingpt.parallel.parallelize import builds_on_meta, parallelize
 from mingpt.reporting.logs import setup_logging
 from mingpt.reporting.plot import LossPlotter
@@ -70,11 +73,27 @@ log = logging.getLogger("mingpt")
 
 # ------------------------------------------------------------------------------------------------------- the config
 @dataclass
+class ModelSettings(GPTConfig):
+    """gpt_config: the model (model.GPTConfig) and where a run's starting weights come from, which the model itself
+    never knows (a folder is the config layer's business)."""
+
+    init_from: Optional[str] = None
+    """a Hugging Face GPT-2 folder (config.json, model.safetensors, tokenizer.json) to start from; null = random init
+
+    The folder gives the shape, the options and the tokenizer (mingpt/checkpoint/hf_import.py), and its weights are
+    the starting point of a fresh run; a snapshot to resume wins over them (docs/finetuning.md)."""
+
+    def model(self) -> GPTConfig:
+        """The model's own config: these settings without init_from."""
+        return GPTConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GPTConfig)})
+
+
+@dataclass
 class TrainConfig:
     """The whole job; each section goes to the component that owns it."""
 
     data_config: DataConfig = field(default_factory=DataConfig)
-    gpt_config: GPTConfig = field(default_factory=GPTConfig)
+    gpt_config: ModelSettings = field(default_factory=ModelSettings)
     optimizer_config: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer_config: TrainerConfig = field(default_factory=TrainerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
@@ -98,34 +117,105 @@ def load_config(overrides: list[str]) -> TrainConfig:
     return config.compose_config(TrainConfig, overrides)
 
 
+# ------------------------------------------------------------------------------------------------------- the start
+def overridden_keys(overrides: Sequence[str]) -> set[str]:
+    """The keys the command line sets (`gpt_config.n_layer=4`, `+x.y=1`, a sweep's `a.b=1,2`), not a preset's."""
+    return {override.lstrip("+~").partition("=")[0] for override in overrides}
+
+
+def as_setting(value: Any) -> str:
+    """A value as the command line writes it (true, null, 4)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def from_folder(cfg: TrainConfig, overrides: Sequence[str]) -> tuple[TrainConfig, Optional[Gpt2Folder]]:
+    """gpt_config.init_from read (config.json) and made the run's settings: the folder's shape and options replace
+    gpt_config's (the YAML's and a preset's), its tokenizer.json is data_config.tokenizer. A command-line override
+    that contradicts the folder, another tokenizer, or windows longer than its n_positions: a UsageError."""
+    if not cfg.gpt_config.init_from:
+        return cfg, None
+    folder = read_gpt2_folder(cfg.gpt_config.init_from)
+    source = f"gpt_config.init_from={cfg.gpt_config.init_from}"
+    explicit = overridden_keys(overrides)
+    for name, value in folder.options.items():
+        given = getattr(cfg.gpt_config, name)
+        if f"gpt_config.{name}" in explicit and given != value:
+            raise UsageError(f"gpt_config.{name}={as_setting(given)} contradicts {source}, whose config.json "
+                             f"gives {name}={as_setting(value)}: leave it out, the folder sets the model")
+    if "data_config.tokenizer" in explicit and (
+            cfg.data_config.tokenizer in ("char", "bpe")
+            or tokenizer_file(cfg.data_config.tokenizer).read_bytes() != folder.tokenizer.read_bytes()):
+        raise UsageError(f"data_config.tokenizer={cfg.data_config.tokenizer}: a run from {source} uses the folder's "
+                         f"own tokenizer ({folder.tokenizer}); leave data_config.tokenizer out")
+    if cfg.data_config.block_size > folder.n_positions:
+        raise UsageError(f"data_config.block_size={cfg.data_config.block_size} is longer than the n_positions of "
+                         f"{source} ({folder.n_positions}): set data_config.block_size={folder.n_positions} or less")
+    gpt_config = dataclasses.replace(cfg.gpt_config, **folder.options)
+    data_config = dataclasses.replace(cfg.data_config, tokenizer=str(folder.tokenizer))
+    return dataclasses.replace(cfg, gpt_config=gpt_config, data_config=data_config), folder
+
+
+def starting_weights(cfg: TrainConfig, corpus: CharCorpus, folder: Gpt2Folder) -> dict[str, torch.Tensor]:
+    """The folder's weights under our names, checked against the model its config.json describes (every tensor,
+    its shape, finite) and its vocabulary against the corpus's tokenizer: before any process group."""
+    if corpus.tokenizer.size > folder.vocab_size:
+        raise UsageError(f"gpt_config.init_from={cfg.gpt_config.init_from}: its tokenizer has "
+                         f"{corpus.tokenizer.size:,} tokens, more than the "
+                         f"{folder.vocab_size:,} rows of its model's embedding")
+    with torch.device("meta"):  # the shapes only
+        shapes = {name: t.shape for name, t in GPT(model_config(cfg, corpus, torch.device("cpu"), folder))
+                  .state_dict().items()}
+    return gpt2_state_dict(folder, shapes)
+
+
+def starting_values(model: GPT, weights: dict[str, torch.Tensor]) -> InitialValue:
+    """`model.initial_value` with the folder's weights in place of the seeded draw: what a parameter is made real
+    at, in every layout (buffers, as the causal mask, stay the model's own)."""
+    def initial_value(name: str) -> torch.Tensor:
+        # a copy: on the CPU, .to() in materialize copies nothing, and training would change the caller's tensors
+        return weights[name].clone() if name in weights else model.initial_value(name)
+
+    return initial_value
+
+
 # ------------------------------------------------------------------------------------------------------- the job
-def model_config(cfg: TrainConfig, corpus: CharCorpus, device: torch.device) -> GPTConfig:
-    """The model as this run builds it: its vocabulary and context from the data, its attention resolved for the
-    device and precision (a snapshot records what ran, not "auto")."""
+def model_config(cfg: TrainConfig, corpus: CharCorpus, device: torch.device,
+                 folder: Optional[Gpt2Folder] = None) -> GPTConfig:
+    """The model as this run builds it: its vocabulary and context from the data (from a starting folder, its own:
+    a larger vocabulary is kept whole, as are its positions), its attention resolved for the device and precision
+    (a snapshot records what ran, not "auto")."""
     block_size = cfg.data_config.block_size
     amp_dtype = resolve_precision(cfg.trainer_config.mixed_precision, device)
     attention = resolve_attention(cfg.gpt_config.attention, device, amp_dtype, block_size, cfg.gpt_config.dropout)
-    return dataclasses.replace(cfg.gpt_config, vocab_size=corpus.tokenizer.size, block_size=block_size,
-                               attention=attention)
+    shape = {"vocab_size": corpus.tokenizer.size, "block_size": block_size} if folder is None else {
+        "vocab_size": folder.vocab_size, "block_size": folder.n_positions}
+    return dataclasses.replace(cfg.gpt_config.model(), **shape, attention=attention)
 
 
 def build_trainer(cfg: TrainConfig, corpus: CharCorpus, ctx: DistContext, run_dir: Optional[Path],
-                  with_snapshots: bool = True, store: Optional[SnapshotStore] = None) -> Trainer:
+                  with_snapshots: bool = True, store: Optional[SnapshotStore] = None,
+                  folder: Optional[Gpt2Folder] = None,
+                  weights: Optional[dict[str, torch.Tensor]] = None) -> Trainer:
     """Collective. Model, its layout over the processes with the optimizers, schedule, snapshot store and Trainer,
     as a training run (and benchmarks/bench.py) gets them. `store`: the run's snapshot store if it was opened
-    already (`open_snapshot_store`)."""
+    already (`open_snapshot_store`). `folder` (gpt_config.init_from, `from_folder`): the model's shape; `weights`:
+    its starting weights (`starting_weights`), in place of the seeded draw: a snapshot to resume, restored by
+    the Trainer, still wins over them."""
     amp_dtype = resolve_precision(cfg.trainer_config.mixed_precision, ctx.device)
     check_optimizer_fits(cfg.optimizer_config, amp_dtype)
-    gpt_cfg = model_config(cfg, corpus, ctx.device)
+    gpt_cfg = model_config(cfg, corpus, ctx.device, folder)
     seed = cfg.trainer_config.seed  # the same initial weights on every rank, in every layout
-    if builds_on_meta(cfg.parallel_config, ctx.world_size):
+    if weights is not None or builds_on_meta(cfg.parallel_config, ctx.world_size):
         with torch.device("meta"):  # shapes only: parallelize makes each part real on its way to its shards
             model = GPT(gpt_cfg, seed=seed)
     else:
         model = GPT(gpt_cfg, seed=seed).to(ctx.device)
     log.info("model: %s parameters, %s attention", f"{model.num_params():,}", gpt_cfg.attention)
     optimizers = functools.partial(build_optimizer, cfg=cfg.optimizer_config)
-    parallel = parallelize(model, cfg.parallel_config, ctx, amp_dtype, optimizers)
+    initial_value = None if weights is None else starting_values(model, weights)
+    parallel = parallelize(model, cfg.parallel_config, ctx, amp_dtype, optimizers, initial_value)
+    if folder is not None and weights is not None:
+        log.info("starting weights: %s (gpt_config.init_from; a snapshot to resume wins over them)", folder.path)
     if store is None and with_snapshots:
         store = open_snapshot_store(cfg)
     metadata = {
@@ -150,24 +240,29 @@ def open_snapshot_store(cfg: TrainConfig) -> SnapshotStore:
     return store
 
 
-def train(cfg: TrainConfig, run_dir: Path) -> None:
-    """Read the data, join the job, fit, report. Leaves the process group to the caller (see hydra_main)."""
+def train(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> None:
+    """Read the data, join the job, fit, report. Leaves the process group to the caller (see hydra_main).
+    `overrides`: the command line's, which a starting folder's shape may not contradict."""
     setup_logging(global_rank(), run_dir)
+    cfg, folder = from_folder(cfg, overrides)  # gpt_config.init_from: its config.json sets the model and tokenizer
     # Where the run will write, before anything expensive (reading a large corpus, building the model).
     store = open_snapshot_store(cfg)
     # Bad data fails here, before any process group. One process per node builds a missing cache: the others wait.
     corpus = CharCorpus.load(cfg.data_config, build=local_rank() == 0)
+    # A starting folder's weights, read and checked here: a missing or damaged file is one line, before any group
+    weights = None if folder is None else starting_weights(cfg, corpus, folder)
     check_launch_environment()
     ctx = setup_distributed()
     configure_device(ctx.device)
     log.info("run directory: %s (rank 0 is process %d, started by %d)", run_dir, os.getpid(), os.getppid())
     log.info("data: %s", corpus.describe())
-    trainer = build_trainer(cfg, corpus, ctx, run_dir, store=store)
+    trainer = build_trainer(cfg, corpus, ctx, run_dir, store=store, folder=folder, weights=weights)
+    weights = None  # the model holds its own copy: not kept for the whole run
     tracking = Tracking(cfg.tracking_config, redacted(dataclasses.asdict(cfg)), trainer.metrics, store, run_dir)
     on_abrupt_exit(trainer.checkpoints.finish_quietly)  # a snapshot being written is finished first
     trainer.fit()
     if trainer.trained_steps and not trainer.stopped_early:
-        whole = model_config(cfg, corpus, ctx.device)
+        whole = model_config(cfg, corpus, ctx.device, folder)
         model = trainer.full_model_copy(lambda: GPT(whole))  # gathered from shards and stages
         if trainer.ctx.is_main:
             report_results(trainer, model, corpus, run_dir)
@@ -219,7 +314,7 @@ def run_training(cfg: DictConfig) -> None:
             # Each job of a sweep gets its own snapshots, named by its swept values: rerunning the sweep resumes each.
             job_name = sweep_job_name(sys.argv[1:], list(hydra_cfg.overrides.task)) or str(hydra_cfg.job.num)
             settings.trainer_config.snapshot_path = f"{settings.trainer_config.snapshot_path.rstrip('/')}/{job_name}"
-        train(settings, run_dir)
+        train(settings, run_dir, list(hydra_cfg.overrides.task))
     except Exception as error:
         code = report_error(error)  # first, before anything that could wait for peers
         abandon_distributed()  # no collective teardown: a peer may never reach it

@@ -24,7 +24,7 @@ from mingpt.errors import UsageError
 ATTENTION_IMPLEMENTATIONS = ("auto", "sdpa", "matmul")
 POSITIONS = ("learned", "rotary")
 NORMS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu", "relu2")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu2")
 MAX_BIGRAM_VOCAB = 1024  # bigram_embedding: vocab_size * (vocab_size + 1) rows, about a million at most
 
 
@@ -58,7 +58,10 @@ class GPTConfig:
     norm: str = "layernorm"
     """layernorm (GPT-2) | rmsnorm (torch's RMSNorm: no mean subtracted, a gain and no bias)"""
     activation: str = "gelu"
-    """the MLP's nonlinearity: gelu (GPT-2) | relu2 (ReLU squared, as in the modded-nanogpt speedrun)"""
+    """the MLP's nonlinearity: gelu (exact, erf) | gelu_tanh (GPT-2's tanh approximation) | relu2 (ReLU squared)
+
+    gelu_tanh is what OpenAI's GPT-2 weights were trained with (a model started from them gets it from the
+    folder); relu2 is the modded-nanogpt speedrun's."""
     qk_norm: bool = False
     """RMS-normalise each head's q and k before attention (no parameters)"""
     tie_embeddings: bool = True
@@ -236,7 +239,9 @@ class ReLUSquared(nn.Module):
 
 
 def make_activation(cfg: GPTConfig) -> nn.Module:
-    return ReLUSquared() if cfg.activation == "relu2" else nn.GELU()
+    if cfg.activation == "relu2":
+        return ReLUSquared()
+    return nn.GELU(approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
 
 
 class LayerNorm(nn.LayerNorm):

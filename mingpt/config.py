@@ -235,7 +235,17 @@ def sweep_job_name(argv: list[str], job_overrides: list[str]) -> str:
 
 # ------------------------------------------------------------------------------------------------------- help
 def field_help(schema: type) -> dict[str, str]:
-    """Each field's one-line help: the first line of the docstring under it in the dataclass."""
+    """Each field's one-line help: the first line of the docstring under it in the dataclass (or in the dataclass
+    it extends, for the fields it inherits), in the dataclass's field order."""
+    helps: dict[str, str] = {}
+    for base in reversed(schema.__mro__[:-1]):  # the base classes' fields come first, as dataclasses order them
+        if dataclasses.is_dataclass(base):
+            helps.update(_own_field_help(base))
+    return helps
+
+
+def _own_field_help(schema: type) -> dict[str, str]:
+    """The help of the fields a dataclass's own body declares."""
     body = ast.parse(textwrap.dedent(inspect.getsource(schema))).body[0].body
     helps = {}
     for node, after in zip(body, body[1:]):

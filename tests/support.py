@@ -87,7 +87,6 @@ def make_trainer(run_dir: Path | None = None, *, snapshots: Path | str | None = 
     from mingpt.distributed.process_group import DistContext
     from mingpt.optim import OptimizerConfig
     from mingpt.parallel.layout import ParallelConfig
-    from model import GPTConfig
     from trainer import TrainerConfig
 
     parallel_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
@@ -97,7 +96,7 @@ def make_trainer(run_dir: Path | None = None, *, snapshots: Path | str | None = 
     if snapshots is not None:
         trainer["snapshot_path"] = str(snapshots)
     data = DataConfig(block_size=16)
-    cfg = main.TrainConfig(data, GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, dropout=dropout),
+    cfg = main.TrainConfig(data, main.ModelSettings(n_layer=n_layer, n_head=2, n_embd=16, dropout=dropout),
                            OptimizerConfig(learning_rate=learning_rate, warmup_steps=0,
                                            min_lr=min(1e-3, learning_rate)), TrainerConfig(**trainer),
                            parallel)

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from mingpt.checkpoint import store
+from mingpt.checkpoint.hf_names import ACTIVATIONS, GPT2_CONV1D
 from mingpt.data.tokenizer import BpeTokenizer, snapshot_tokenizer, tokenizer_from_description
 from mingpt.errors import UsageError
 from mingpt.storage.locations import resolve_path
@@ -38,9 +39,6 @@ Tensors = dict[str, torch.Tensor]
 # model.py's ModelConfig, or anything with its fields: handed down by the command (snapshot.py), as this package never
 # imports the project's root
 ModelConfig = Any
-# Our activations under their names in transformers' ACT2FN: "gelu" is torch's exact (erf) GELU, which nn.GELU()
-# computes by default ("gelu_new" and "gelu_pytorch_tanh" are the tanh approximation); "relu2" is relu(x)^2.
-ACTIVATIONS = {"gelu": "gelu", "relu2": "relu2"}
 # The tokenizer's stand-in for an unknown character: not in the vocabulary, so WordLevel raises on one ("Missing
 # [UNK] token from the vocabulary") instead of mapping it to an id that means another character.
 UNKNOWN = "[UNK]"
@@ -134,8 +132,8 @@ def embeddings(ours: Tensors, cfg: ModelConfig, embedding: str, head: str) -> Te
 
 # --------------------------------------------------------------------------------------------- GPT-2
 def gpt2_settings(cfg: ModelConfig) -> dict:
-    """GPT-2 as ours: exact GELU or relu2, our epsilon, 1/sqrt(head_dim) attention scaling alone, our dropout in the
-    same three places (attention weights, residual branches, embeddings)."""
+    """GPT-2 as ours: our activation (exact or tanh GELU, relu2), our epsilon, 1/sqrt(head_dim) attention scaling
+    alone, our dropout in the same three places (attention weights, residual branches, embeddings)."""
     return {"n_positions": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
             "n_inner": 4 * cfg.n_embd, "activation_function": ACTIVATIONS[cfg.activation],
             "layer_norm_epsilon": norm_eps(cfg), "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
@@ -152,7 +150,7 @@ def gpt2_weights(ours: Tensors, cfg: ModelConfig) -> Tensors:
     for i in range(cfg.n_layer):
         block = f"transformer.h.{i}"
         norms += [f"{block}.ln_1", f"{block}.ln_2"]
-        for conv in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+        for conv in GPT2_CONV1D:
             weight, bias = linear(ours, f"{block}.{conv}")
             out[f"{block}.{conv}.weight"], out[f"{block}.{conv}.bias"] = weight.t(), bias
     for norm in norms:

@@ -349,16 +349,19 @@ def builds_on_meta(cfg: ParallelConfig, world_size: int) -> bool:
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, ctx: DistContext, amp_dtype: torch.dtype,
-                build_optimizers: Callable[[nn.Module], Optimizers]) -> ParallelModel:
+                build_optimizers: Callable[[nn.Module], Optimizers],
+                initial_value: Optional[InitialValue] = None) -> ParallelModel:
     """Collective. `model` spread over the processes of `ctx` as `cfg` lays them out (in place: its modules become
     DTensor shards, or this rank's pipeline stages of it), with `build_optimizers(module)` over what this process
     holds. Under a sharded layout a process on its own gets a process group of one (FSDP2 needs one).
 
     A `model` built on the meta device (`builds_on_meta`: every layout but plain DDP) is made real here, part by
-    part on the way to its shards or stages, at `model.initial_value` (GPT's: the weights one process draws)."""
+    part on the way to its shards or stages, at `initial_value` (whole tensors by name: the starting weights of
+    gpt_config.init_from), by default `model.initial_value` (GPT's: the weights one process draws)."""
     layout = resolve_layout(cfg, ctx.world_size)
     whole_shapes = {name: (value.shape, value.dtype) for name, value in model.state_dict().items()}
-    initial_value = model.initial_value if on_meta(model) else None  # the whole model's, before it is split
+    # the whole model's, taken before it is split
+    initial_value = (initial_value or model.initial_value) if on_meta(model) else None
     if layout.strategy == "ddp":
         if initial_value is not None:
             materialize(model, model, ctx.device, initial_value)

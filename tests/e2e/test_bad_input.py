@@ -14,6 +14,7 @@ Cases fail before training starts, so the whole table takes a few minutes on 2 c
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import os
 import random
@@ -97,6 +98,23 @@ def broken_shards(snaps: Path) -> None:
     write(folder, "snapshot.json", b"{")
 
 
+def gpt2_folder(folder: Path, model_type: str = "gpt2", n_layer: int = 3, weights: bytes | None = None) -> None:
+    """A Hugging Face folder's config.json (of TINY's shape but for `n_layer`), a BPE tokenizer.json trained on
+    the text (where `tokenizers` is installed) and `weights` as its model.safetensors."""
+    folder.mkdir()
+    config = {"model_type": model_type, "n_layer": n_layer, "n_head": 2, "n_embd": 32, "n_positions": 32,
+              "vocab_size": 300, "activation_function": "gelu_new"}
+    write(folder, "config.json", json.dumps(config).encode())
+    if importlib.util.find_spec("tokenizers") is not None:
+        from mingpt.data.tokenizer import BpeTokenizer
+
+        write(folder, "tokenizer.json", BpeTokenizer.train([SHAKESPEARE[:20000]], 300, "test").json.encode())
+    else:
+        write(folder, "tokenizer.json", b"{}")  # enough for the refusals that come before the tokenizer is read
+    if weights is not None:
+        write(folder, "model.safetensors", weights)
+
+
 def different_vocabulary(d: Path) -> Path:
     """As much text as the fixture's data, with the same number of distinct characters but one of them other."""
     text = SHAKESPEARE[: int(len(SHAKESPEARE) * 0.05)]
@@ -159,7 +177,7 @@ CASES: dict[str, Case] = {case.id: case for case in [
     # ---- config: fails before Hydra makes a run folder
     refused("config: unknown key",
         ["gpt_config.nlayer=3"],
-        r"Key 'nlayer' not in 'GPTConfig'"),
+        r"Key 'nlayer' not in 'ModelSettings'"),
     refused("config: +new_key",
         ["+trainer_config.max_epoch=3"],
         r"unknown config key trainer_config\.max_epoch \(known keys: .*max_epochs"),
@@ -235,6 +253,23 @@ CASES: dict[str, Case] = {case.id: case for case in [
         tool="sample"),
     refused("sample.py: a misspelled key", ["snapshot={s}", "max_new_token=5"],
         r"Key 'max_new_token' not in 'SampleConfig'", tool="sample"),
+    # ---- gpt_config.init_from (a Hugging Face GPT-2 folder): fails before the process group
+    refused("init_from: a folder that does not exist",
+        ["gpt_config.init_from={d}/no-gpt2"],
+        r"gpt_config\.init_from=.*/no-gpt2: no such folder \(a Hugging Face GPT-2 folder: "),
+    refused("init_from: a model that is not GPT-2",
+        ["gpt_config.init_from={d}/llama"], prepare=lambda d, s: gpt2_folder(d / "llama", model_type="llama"),
+        error=r"gpt_config\.init_from=.*/llama is a llama model, not GPT-2 \(model_type gpt2, GPT2LMHeadModel\)"),
+    refused("init_from: a shape override that contradicts the folder",
+        ["gpt_config.init_from={d}/gpt2", "gpt_config.n_layer=2"], prepare=lambda d, s: gpt2_folder(d / "gpt2"),
+        error=r"gpt_config\.n_layer=2 contradicts gpt_config\.init_from=.*/gpt2, whose config\.json gives "
+              r"n_layer=3: leave it out, the folder sets the model$"),
+    refused("init_from: a damaged weights file",
+        ["gpt_config.init_from={d}/gpt2"],
+        prepare=lambda d, s: gpt2_folder(d / "gpt2", n_layer=2, weights=b"not safetensors"),
+        error=r"gpt_config\.init_from=.*/gpt2: cannot read model\.safetensors: ",
+        marks=(pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
+                                  reason="a folder's tokenizer needs requirements-hf.txt"),)),
     # ---- data: fails before the process group
     refused("data: missing file",
         ["data_config.path=data/no-such-file.txt"],

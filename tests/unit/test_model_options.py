@@ -81,7 +81,7 @@ def test_the_defaults_build_todays_gpt_to_the_bit(name, settings):
 @pytest.mark.parametrize("settings, message", [
     (dict(positions="alibi"), "gpt_config.positions must be one of learned, rotary, got 'alibi'"),
     (dict(norm="batchnorm"), "gpt_config.norm must be one of layernorm, rmsnorm, got 'batchnorm'"),
-    (dict(activation="swiglu"), "gpt_config.activation must be one of gelu, relu2, got 'swiglu'"),
+    (dict(activation="swiglu"), "gpt_config.activation must be one of gelu, gelu_tanh, relu2, got 'swiglu'"),
     (dict(positions="rotary", n_embd=30, n_head=10), "positions=rotary needs an even head size"),
     (dict(rope_base=1.0), "gpt_config.rope_base must be greater than 1, got 1.0"),
     (dict(logit_softcap=0.0), "gpt_config.logit_softcap must be positive or null, got 0.0"),
@@ -328,7 +328,7 @@ def train_tiny(folder: Path, steps: int, strategy: str = "ddp", **options):
     data = DataConfig(block_size=16)
     trainer = TrainerConfig(max_steps=steps, batch_size=4, mixed_precision="fp32", progress="off",
                             eval_every_steps=0, log_every_steps=100, snapshot_path=str(folder))
-    cfg = main.TrainConfig(data, GPTConfig(n_layer=1, n_head=2, n_embd=16, dropout=0.0, **options),
+    cfg = main.TrainConfig(data, main.ModelSettings(n_layer=1, n_head=2, n_embd=16, dropout=0.0, **options),
                            OptimizerConfig(learning_rate=1e-2, warmup_steps=0), trainer,
                            ParallelConfig(strategy=strategy))
     text = "".join(f"line {i}: the quick brown fox.\n" for i in range(60))

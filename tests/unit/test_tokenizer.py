@@ -247,11 +247,10 @@ def evaluated_trainer(text: str, tokenizer, eval_batches=None):
     import main
     from mingpt.distributed.process_group import DistContext
     from mingpt.optim import OptimizerConfig
-    from model import GPTConfig
     from trainer import TrainerConfig
 
     data = DataConfig(block_size=16)
-    cfg = main.TrainConfig(data, GPTConfig(n_layer=1, n_head=2, n_embd=16, dropout=0.0), OptimizerConfig(),
+    cfg = main.TrainConfig(data, main.ModelSettings(n_layer=1, n_head=2, n_embd=16, dropout=0.0), OptimizerConfig(),
                            TrainerConfig(mixed_precision="fp32", batch_size=4, eval_batches=eval_batches))
     corpus = CharCorpus.from_text(text, data, tokenizer)
     trainer = main.build_trainer(cfg, corpus, DistContext(), None, with_snapshots=False)

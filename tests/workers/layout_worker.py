@@ -42,7 +42,6 @@ from mingpt.distributed.process_group import DistContext, setup_distributed
 from mingpt.optim import OptimizerConfig
 from mingpt.parallel.layout import ParallelConfig
 from mingpt.parallel.state import weights_sha256_of
-from model import GPTConfig
 from trainer import Trainer, TrainerConfig
 
 BATCH = 4  # windows per data-parallel rank and micro-batch
@@ -130,7 +129,7 @@ def config(strategy: str, parallel: dict, batch_size: int, snapshots: Path,
     trainer = TrainerConfig(max_steps=STEPS, batch_size=batch_size, mixed_precision="fp32", grad_norm_clip=0.3,
                             eval_every_steps=0, save_every_steps=SAVED, keep_last=3, log_every_steps=100,
                             progress="off", snapshot_path=str(snapshots))
-    return main.TrainConfig(DataConfig(block_size=16), GPTConfig(n_layer=4, n_head=4, n_embd=32, dropout=0.0),
+    return main.TrainConfig(DataConfig(block_size=16), main.ModelSettings(n_layer=4, n_head=4, n_embd=32, dropout=0.0),
                             optimizer, trainer, ParallelConfig(strategy=strategy, **parallel))
 
 
