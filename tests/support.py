@@ -141,6 +141,36 @@ def text_files(folder: Path, texts: dict[str, str | bytes]) -> Path:
 SNAPSHOT_VOCAB = "abcdefghij"
 
 
+def moved_gpt_snapshot_file(folder: Path, tokenizer: dict | str, vocab_size: int, block_size: int, seed: int = 0,
+                            **options):
+    """A 2-block GPT with `options`, its weights moved well off their initialisation (norm gains and biases
+    included, so that each shapes the output), saved in `folder` as the snapshot file of step 7 with `tokenizer`
+    (a description; a string: characters); the model, in eval mode, and the file's path."""
+    import dataclasses
+
+    import torch
+
+    from mingpt.checkpoint import store as snap
+    from mingpt.data.tokenizer import as_description
+    from model import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, dropout=0.0, vocab_size=vocab_size, block_size=block_size,
+                    **options)
+    torch.manual_seed(seed)
+    model = GPT(cfg).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn(param.shape))
+    state = {"model": model.state_dict(), "optimizer": {}, "scaler": {},
+             "progress": {"step": 7, "epoch": 0, "epoch_samples": 56}}
+    built = snap.build(state, {"model_config": dataclasses.asdict(cfg),
+                               **snap.tokenizer_fields(as_description(tokenizer))}, world_size=1)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / snap.snapshot_name(7)
+    path.write_bytes(snap.to_bytes(built))
+    return model, path
+
+
 def make_snapshot(step: int = 10, n_layer: int = 1, vocab: str = SNAPSHOT_VOCAB) -> dict:
     """A snapshot as a 2-process run at `step` writes it: a GPT of `n_layer` blocks after one AdamW step."""
     import dataclasses

@@ -8,7 +8,6 @@ On snapshots trained by real processes: tests/e2e/test_hf_export.py."""
 from __future__ import annotations
 
 import ast
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,13 @@ from support import (
     PROJECT_DIR,
     load_hf,
     max_logit_difference,
+    moved_gpt_snapshot_file,
     project_modules,
 )
 
 import sample
 import snapshot
 from char_dataset import CharVocab
-from mingpt.checkpoint import store as snap
 from mingpt.checkpoint.hf_export import export_hf
 from mingpt.errors import UsageError
 from model import GPT, GPTConfig
@@ -39,21 +38,8 @@ HF_FILES = {"model.safetensors", "config.json", "generation_config.json", "token
 
 
 def snapshot_file(folder: Path, seed: int = 0, **options) -> tuple[GPT, Path]:
-    """A GPT with `options`, its weights moved well off their initialisation (norm gains and biases included, so that
-    each shapes the output), saved as a snapshot file; the model, in eval mode, and the file."""
-    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, dropout=0.0, vocab_size=len(VOCAB), block_size=BLOCK, **options)
-    torch.manual_seed(seed)
-    model = GPT(cfg).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.1 * torch.randn(param.shape))
-    state = {"model": model.state_dict(), "optimizer": {}, "scaler": {},
-             "progress": {"step": 7, "epoch": 0, "epoch_samples": 56}}
-    built = snap.build(state, {"model_config": dataclasses.asdict(cfg), "vocab": VOCAB}, world_size=1)
-    path = folder / snap.snapshot_name(7)
-    folder.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(snap.to_bytes(built))
-    return model, path
+    """A moved-off GPT with `options` and the character vocabulary VOCAB as a snapshot file (support's helper)."""
+    return moved_gpt_snapshot_file(folder, VOCAB, len(VOCAB), BLOCK, seed, **options)
 
 
 # ------------------------------------------------------------------------------------------------ per architecture

@@ -7,18 +7,16 @@ folder or contradicting setting is one UsageError line. Through main.py and torc
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from support import HF_TOLERANCE, load_hf, max_logit_difference
+from support import HF_TOLERANCE, load_hf, max_logit_difference, moved_gpt_snapshot_file
 
 import main
 from char_dataset import CharCorpus, DataConfig
 from mingpt import compat
-from mingpt.checkpoint import store as snap
 from mingpt.checkpoint.hf_export import export_hf
 from mingpt.checkpoint.hf_import import gpt2_state_dict, read_gpt2_folder
 from mingpt.data.tokenizer import BpeTokenizer
@@ -113,22 +111,8 @@ def test_a_folder_of_shards_loads(tmp_path, tokenizer):
 
 # ------------------------------------------------------------------------------------------- (c) the export's inverse
 def snapshot_file(folder: Path, tokenizer: BpeTokenizer, **options) -> tuple[GPT, Path]:
-    """A GPT with `options` and a BPE, moved off its initialisation, saved as a snapshot file."""
-    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, dropout=0.0, vocab_size=tokenizer.size, block_size=POSITIONS,
-                    **options)
-    torch.manual_seed(3)
-    model = GPT(cfg).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.1 * torch.randn(param.shape))
-    state = {"model": model.state_dict(), "optimizer": {}, "scaler": {},
-             "progress": {"step": 7, "epoch": 0, "epoch_samples": 56}}
-    built = snap.build(state, {"model_config": dataclasses.asdict(cfg),
-                               **snap.tokenizer_fields(tokenizer.describe())}, world_size=1)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / snap.snapshot_name(7)
-    path.write_bytes(snap.to_bytes(built))
-    return model, path
+    """A moved-off GPT with `options` and a BPE as a snapshot file (support's helper)."""
+    return moved_gpt_snapshot_file(folder, tokenizer.describe(), tokenizer.size, POSITIONS, 3, **options)
 
 
 SNAPSHOTS = {
