@@ -15,11 +15,14 @@ import sample
 from char_dataset import CharCorpus, CharDataset, DataConfig
 from mingpt.checkpoint import store as snap
 from mingpt.data import token_cache
+from mingpt.data import tokenizer as tokenizer_module
 from mingpt.data.token_cache import Encoder, entry_dir, open_tokens
 from mingpt.data.tokenizer import (
     BpeTokenizer,
     CharTokenizer,
+    FastBpe,
     TokenizerChoice,
+    byte_alphabet,
     id_dtype,
     snapshot_tokenizer,
     split_at_boundaries,
@@ -100,6 +103,190 @@ def test_pieces_and_chunks_encode_as_the_whole_text(bpe):
     chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
     streamed = np.concatenate([stream.feed(c) for c in chunks] + [stream.finish()])
     assert np.array_equal(streamed, whole)
+
+
+# ----------------------------------------------------------------------------------------------------- the fast BPE
+def mixed_text(size: int, seed: int = 0) -> str:
+    """~`size` characters of what real corpora hold: this project's Python source, prose, contractions, digits,
+    non-ASCII letters, CJK, emoji (joined ones too), and odd whitespace (no-break, ideographic and zero-width
+    spaces, NEL, tabs and carriage returns, runs of spaces before a word)."""
+    rng = random.Random(seed)
+    code = [path.read_text(encoding="utf-8") for path in sorted(PROJECT_DIR.glob("*.py"))]
+    words = ["it's", "they've", "I'm", "we'll", "she'd", "you're", "don't", "'S", "O'Neil", "3.14159", "2026",
+             "١٢٣", "x²", "naïve", "café", "Ελληνικά", "русский", "東京タワー", "한국어", "中文字符", "🚀", "👩‍👩‍👧",
+             "🇫🇷", "e\u0301", "$$", "!!!", "--", "__init__", "0x7FF", "1e-5", "𝔘𝔫𝔦", "\ufeffbom"]
+    spaces = [" ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", "\u00a0", "\u3000", "\u2009", "\u200b", "\u0085", " \n ",
+              "\u180e", "\u2028", "\x0b", "\x0c", "    \n"]
+    parts, length = [], 0
+    while length < size:
+        if rng.random() < 0.3:
+            source = rng.choice(code)
+            start = rng.randrange(len(source))
+            part = source[start : start + rng.randint(100, 5000)]
+        else:
+            part = "".join(rng.choice(words) + rng.choice(spaces) for _ in range(rng.randint(5, 200)))
+        parts.append(part)
+        length += len(part)
+    return "".join(parts)
+
+
+MIXED = mixed_text(1 << 20)
+needs_tiktoken = pytest.mark.skipif(tokenizer_module._tiktoken() is None, reason="tiktoken is not installed")
+
+
+@pytest.fixture(scope="module")
+def mixed_bpe() -> BpeTokenizer:
+    """A BPE trained on mixed text: merges of non-ASCII letters, emoji bytes and whitespace runs too."""
+    return BpeTokenizer.train(split_at_boundaries(mixed_text(1 << 20, seed=1).encode()), 2000, "mixed")
+
+
+def gpt2_shaped(tokenizer: BpeTokenizer) -> BpeTokenizer:
+    """`tokenizer` written as GPT-2's tokenizer.json is: merges as "a b" strings, <|endoftext|> an added special
+    token (the last id), a ByteLevel post-processor, every BPE option spelt out."""
+    spec = json.loads(tokenizer.json)
+    size = len(spec["model"]["vocab"])
+    spec["model"].update(merges=[" ".join(merge) for merge in spec["model"]["merges"]], dropout=None,
+                         unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+    spec["model"]["vocab"]["<|endoftext|>"] = size
+    spec["added_tokens"] = [{"id": size, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
+                             "rstrip": False, "normalized": True, "special": True}]
+    spec["post_processor"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+                              "use_regex": True}
+    return BpeTokenizer(json.dumps(spec), "gpt2-shaped")
+
+
+def both_ways(tokenizer: BpeTokenizer, text: str, piece_bytes: int = 64 << 10) -> tuple[np.ndarray, np.ndarray]:
+    """(tiktoken's ids, tokenizers' ids) of `text` cut into pieces as the cache cuts it."""
+    pieces = split_at_boundaries(text.encode(), piece_bytes)
+    fast, why = FastBpe.of(tokenizer)
+    assert fast is not None, why
+    return fast.encode_pieces(pieces), tokenizer.encode_pieces_hf(pieces)
+
+
+@needs_tiktoken
+def test_the_fast_bpe_gives_tokenizers_ids_on_the_bundled_text():
+    trained = BpeTokenizer.train(split_at_boundaries(SHAKESPEARE.encode()), 1000, "shakespeare")
+    fast, ids = both_ways(trained, SHAKESPEARE)
+    assert fast.dtype == ids.dtype == np.uint16 and len(ids) < 0.5 * len(SHAKESPEARE)
+    assert np.array_equal(fast, ids)
+    assert np.array_equal(trained.encode_pieces(split_at_boundaries(SHAKESPEARE.encode())), ids)  # the default
+
+
+@needs_tiktoken
+@pytest.mark.parametrize("shape", ["trained", "gpt2-shaped"])
+def test_the_fast_bpe_gives_tokenizers_ids_on_mixed_text(mixed_bpe, bpe, shape):
+    """MBs of code, non-ASCII, emoji, CJK, odd whitespace, contractions and digits, through two tokenizers trained
+    on other text (so that many words are new to them), as trained and in GPT-2's shape (an added token too)."""
+    rng = random.Random(2)
+    text = mixed_text(3 << 20, seed=3) + "".join(random_text(rng, 50) + " it's 42\n" for _ in range(500))
+    text = text.replace("naïve", "naïve<|endoftext|>", 3)
+    for trained in (mixed_bpe, bpe):
+        tokenizer = trained if shape == "trained" else gpt2_shaped(trained)
+        fast, ids = both_ways(tokenizer, text)
+        assert np.array_equal(fast, ids)
+        if shape == "gpt2-shaped":
+            assert ids.tolist().count(tokenizer.size - 1) == 3  # <|endoftext|>, by tokenizers in those pieces
+
+
+@needs_tiktoken
+def test_the_fast_bpe_gives_tokenizers_ids_on_every_small_piece(mixed_bpe):
+    """Pieces that are one word, one space, one emoji: the ends of pieces and the whole-word path of tiktoken."""
+    tokenizer = gpt2_shaped(mixed_bpe)
+    fast, _ = FastBpe.of(tokenizer)
+    vocab = json.loads(tokenizer.json)["model"]["vocab"]
+    alphabet = byte_alphabet()
+    tokens = [bytes(alphabet[c] for c in token).decode("utf-8", errors="ignore") for token in vocab
+              if token != "<|endoftext|>"]
+    for text in [*tokens, *MIXED[:3000].split(" "), "", " ", "'s", " 's", "\u00a0'll", "a\u3000b"]:
+        assert fast.encode(text).tolist() == tokenizer.encode(text).tolist(), text
+
+
+def without_tiktoken(monkeypatch):
+    monkeypatch.setattr(tokenizer_module, "_tiktoken", lambda: None)
+
+
+def spec_with(tokenizer: BpeTokenizer, change) -> str:
+    spec = json.loads(tokenizer.json)
+    change(spec)
+    return json.dumps(spec)
+
+
+def duplicate_merge(spec: dict) -> None:
+    """A second merge that makes an existing token by another split: tiktoken has one rank per byte string."""
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    for left, right in merges:
+        joined = left + right
+        for cut in range(1, len(joined)):
+            if cut != len(left) and joined[:cut] in vocab and joined[cut:] in vocab:
+                merges.append([joined[:cut], joined[cut:]])
+                return
+    raise AssertionError("no token with two splits")
+
+
+LLAMA3_PRE_TOKENIZER = {"type": "Sequence", "pretokenizers": [
+    {"type": "Split", "pattern": {"Regex": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
+                                            r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"},
+     "behavior": "Isolated", "invert": False},
+    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+
+FALLBACKS = {
+    "a normalizer": (lambda s: s.update(normalizer={"type": "NFC"}), "normalizer"),
+    "Llama 3's pre-tokenizer": (lambda s: s.update(pre_tokenizer=LLAMA3_PRE_TOKENIZER), "not GPT-2's"),
+    "ByteLevel without its regex": (lambda s: s["pre_tokenizer"].update(use_regex=False), "not GPT-2's"),
+    "a prefix space": (lambda s: s["pre_tokenizer"].update(add_prefix_space=True), "prefix space"),
+    "dropout": (lambda s: s["model"].update(dropout=0.1), "dropout=0.1"),
+    "a subword prefix": (lambda s: s["model"].update(continuing_subword_prefix="##"), "continuing_subword_prefix"),
+    "a word suffix": (lambda s: s["model"].update(end_of_word_suffix="</w>"), "end_of_word_suffix"),
+    "byte fallback": (lambda s: s["model"].update(byte_fallback=True), "byte_fallback"),
+    "ignore_merges": (lambda s: s["model"].update(ignore_merges=True), "ignore_merges"),
+    "a template post-processor": (lambda s: s.update(post_processor={
+        "type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}], "special_tokens": {}}), "post-processor"),
+    "truncation": (lambda s: s.update(truncation={"direction": "Right", "max_length": 512, "strategy":
+                                                  "LongestFirst", "stride": 0}), "truncates"),
+    "two merges making one token": (duplicate_merge, "two merges make"),
+}
+
+
+@needs_tiktoken
+@pytest.mark.parametrize("case", FALLBACKS)
+def test_tokenizers_encodes_where_tiktoken_could_differ(mixed_bpe, case):
+    change, why = FALLBACKS[case]
+    spec = spec_with(mixed_bpe, change)
+    if case == "a subword prefix":  # merges without the prefix: tokenizers itself cannot load it (a panic)
+        assert why in tokenizer_module.fast_bpe_problem(json.loads(spec))
+        return
+    tokenizer = BpeTokenizer(spec, case)
+    fast, reason = tokenizer.fast_encoder()
+    assert fast is None and why in reason
+    if case not in ("dropout", "truncation"):  # the others are deterministic and whole: the fallback's ids
+        pieces = split_at_boundaries(MIXED[:200_000].encode())
+        assert np.array_equal(tokenizer.encode_pieces(pieces), tokenizer.encode_pieces_hf(pieces))
+
+
+@needs_tiktoken
+def test_a_token_the_merges_do_not_make_from_its_bytes_is_not_left_to_tiktoken(bpe):
+    """"abc" merged as (ab, c) after (b, c): tokenizers makes [a, bc] of "abc", tiktoken (which takes a whole word
+    that is a token as that token, and joins any two parts that form one) would make [abc]."""
+    def three_merges(spec: dict) -> None:
+        vocab = {char: i for i, char in enumerate(byte_alphabet())}
+        vocab.update(bc=256, ab=257, abc=258)
+        spec["model"].update(vocab=vocab, merges=[["b", "c"], ["a", "b"], ["ab", "c"]])
+
+    tokenizer = BpeTokenizer(spec_with(bpe, three_merges), "unreachable")
+    fast, why = FastBpe.of(tokenizer)
+    assert fast is None and "do not make 'abc'" in why
+    assert tokenizer.encode(" abc").tolist()[-2:] == [tokenizer.hf_tokenizer().token_to_id(t) for t in ("a", "bc")]
+    assert np.array_equal(tokenizer.encode_pieces(["abc abcd"]), tokenizer.encode("abc abcd"))
+
+
+def test_without_tiktoken_tokenizers_encodes(monkeypatch, bpe):
+    without_tiktoken(monkeypatch)
+    tokenizer = BpeTokenizer(bpe.json, "no tiktoken")
+    fast, why = tokenizer.fast_encoder()
+    assert fast is None and why == "tiktoken is not installed"
+    pieces = split_at_boundaries(TEXT.encode(), 1000)
+    assert np.array_equal(tokenizer.encode_pieces(pieces), bpe.encode(TEXT))
 
 
 @pytest.mark.parametrize("tokenizer", ["char", "bpe"])
