@@ -7,6 +7,29 @@ from pathlib import Path
 
 import pytest
 
+# `make test` runs the suite in TEST_WORKERS processes (pytest-xdist, --dist loadgroup): most end-to-end tests wait
+# on process start-ups, servers and signals more than they compute, so two at once fill both cores of a small CI VM.
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under several workers, each worker and the processes its tests start get their share of the cores (an
+    OpenMP pool as wide as the machine in each of two workers busy-waits on the other's cores)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A file's tests run in one worker (its module-scoped launches then serve all of them once), unless a test
+    names a group of its own (an `xdist_group` mark: test_docs.py's documents, each a long run of its own)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def data_cache(tmp_path_factory) -> Path:
