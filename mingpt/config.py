@@ -156,6 +156,7 @@ def _moved(key: str, moved: dict[str, str]) -> UsageError:
 
 def precheck_overrides(schema: type, overrides: list[str]) -> None:
     """The training config with these overrides, checked (keys, types, values) before Hydra makes a run folder."""
+    register(schema)  # what is checked against: registered here, whatever ran before
     for composed in precheck_config_overrides(CONFIG_NAME, overrides, schema) or []:
         to_dataclasses(composed, schema)
 

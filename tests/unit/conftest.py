@@ -19,3 +19,16 @@ def in_this_process_only(monkeypatch) -> None:
     # multiprocessing (and torch.multiprocessing, DataLoader worker) process's start.
     monkeypatch.setattr(subprocess.Popen, "_execute_child", _refuse)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse)
+
+
+@pytest.fixture(autouse=True)
+def leaves_no_process_group():
+    """A process group a test made is gone after it (a later test, in any order, makes its own): a test whose code
+    under test makes one uses the `no_process_group_left` fixture (tests/conftest.py)."""
+    yield
+    import torch.distributed as dist
+
+    # distributed_c10d's own is_initialized: a test may have patched torch.distributed's (undone after this runs)
+    if dist.is_available() and dist.distributed_c10d.is_initialized():
+        dist.distributed_c10d.destroy_process_group()
+        pytest.fail("the test left a process group: use the no_process_group_left fixture", pytrace=False)

@@ -60,6 +60,7 @@ def test_ddp_skips_buffer_syncing_without_a_deprecation_warning():
             dist.destroy_process_group()
 
 
+@pytest.mark.usefixtures("no_process_group_left")
 def test_the_private_abort_is_used_on_nccl_only_and_its_absence_is_survived(monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)

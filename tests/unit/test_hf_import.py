@@ -161,6 +161,7 @@ def train_config(folder: Path, strategy: str, *overrides: str) -> tuple[main.Tra
     return main.from_folder(cfg, overrides)
 
 
+@pytest.mark.usefixtures("no_process_group_left")
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.skipif(
     compat.TORCH < compat.FSDP_TORCH, reason="FSDP on a CPU needs torch 2.7"))])
 def test_the_build_starts_from_the_folder_in_each_layout(tmp_path, tokenizer, strategy):

@@ -364,6 +364,7 @@ def test_an_old_snapshot_resumes_as_the_default_gpt_and_is_refused_by_rmsnorm(tm
     assert exported["tied_weights"] == {"lm_head.weight": "transformer.wte.weight"}
 
 
+@pytest.mark.usefixtures("no_process_group_left")
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.skipif(
     compat.TORCH < compat.FSDP_TORCH, reason="FSDP on a CPU needs torch 2.7"))])
 def test_a_snapshot_of_every_option_resumes_samples_and_exports_as_such(tmp_path, strategy):
