@@ -37,7 +37,7 @@ from mingpt.compat import cpu_has_native_bf16
 from mingpt.distributed.process_group import DistContext
 from mingpt.distributed.stopping import StopRequest
 from mingpt.errors import Diverged, UsageError
-from mingpt.parallel.parallelize import ParallelModel
+from mingpt.parallel.parallelize import IGNORED_TARGET, ParallelModel
 from mingpt.parallel.state import weights_sha256_of
 from mingpt.reporting.logs import PROGRESS_MODES, MetricsLog, Progress, report_end
 from mingpt.storage.locations import check_location
@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 DIVERGENCE_ACTIONS = ("stop", "rollback")
 EVAL_BATCH_FACTOR = 4
-IGNORED_TARGET = -100  # F.cross_entropy's default ignore_index: padding the loss does not count
 
 
 @dataclass
@@ -493,7 +492,8 @@ class Trainer:
         self.sampler = ResumableDistributedSampler(len(train_data), data_ranks, data_rank, cfg.seed)
         self.train_loader = make_loader(train_data, self.sampler, cfg.batch_size, True, cfg, self.ctx.device)
         own_val_windows = range(data_rank, len(val_data), data_ranks)  # disjoint across replicas, no padding
-        # Without gradients a window needs a fraction of the memory: evaluate EVAL_BATCH_FACTOR x larger batches.
+        # Without gradients a window needs a fraction of the memory: evaluate EVAL_BATCH_FACTOR x larger batches (their
+        # forward passes of batch_size windows each: the logits of a large vocabulary are not a fraction).
         self.eval_batch_size = cfg.batch_size * EVAL_BATCH_FACTOR
         self.val_loader = make_loader(val_data, own_val_windows, self.eval_batch_size, False, cfg, self.ctx.device)
         self._eval_lockstep = eval_lockstep(val_data, cfg, data_ranks) if self.parallel.lockstep_eval else None
@@ -762,7 +762,7 @@ class Trainer:
                 break
             x, y = self.split(windows)
             tokens = y.numel()
-            loss = self.parallel.evaluate(*self.eval_shaped(x, y))
+            loss = self.parallel.evaluate(*self.eval_shaped(x, y), max_rows=self.cfg.batch_size)
             if loss is not None:  # under pipeline parallelism: on the last stage's ranks only
                 totals[0] += loss.double() * tokens
                 totals[1] += tokens
@@ -772,7 +772,7 @@ class Trainer:
         if self._eval_lockstep is not None:
             passes, filler = self._eval_lockstep
             for _ in range(done, passes):
-                self.parallel.evaluate(*self.eval_shaped(*self.split(filler)))
+                self.parallel.evaluate(*self.eval_shaped(*self.split(filler)), max_rows=self.cfg.batch_size)
         self.parallel.train(True)
         loss_sum, count, text_bytes = self.ctx.all_reduce(totals).tolist()  # one read
         self.last_val_bpb = loss_sum / (math.log(2) * text_bytes) if text_bytes else None

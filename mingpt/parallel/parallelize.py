@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]
 WholeShapes = dict[str, tuple[torch.Size, torch.dtype]]
 
+IGNORED_TARGET = -100  # F.cross_entropy's default ignore_index: padded windows' targets, which the loss does not count
+
 
 class ParallelModel:
     """The model as this process trains and evaluates it under a layout, with the optimizers of what this process
@@ -162,9 +164,25 @@ class ParallelModel:
 
     # ------------------------------------------------------------------------------------------- evaluation
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
-        """Collective where a forward pass is. The mean loss of a batch, forward only, where this rank computes one
-        (None elsewhere). Call between `train(False)` and `train(True)`."""
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, max_rows: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Collective where a forward pass is. The mean loss over a batch's counted targets (all but
+        IGNORED_TARGET), forward only, where this rank computes one (None elsewhere), in forward passes of at most
+        `max_rows` windows: with a vocabulary of thousands the logits (and cross-entropy's copy of them) are most
+        of a window's memory, so an evaluation batch larger than a training micro-batch would otherwise hold more
+        than a training step does. Every rank makes the same passes (the batches have one shape: FSDP's
+        all-gathers stay in step). Call between `train(False)` and `train(True)`."""
+        if max_rows is None or x.size(0) <= max_rows:
+            return self._evaluate_pass(x, y)
+        loss_sum, counted = x.new_zeros((), dtype=torch.float32), x.new_zeros(())
+        for x_part, y_part in zip(x.split(max_rows), y.split(max_rows)):
+            part_counted = (y_part != IGNORED_TARGET).sum()
+            loss = self._evaluate_pass(x_part, y_part)
+            # a slice of padding alone has the mean of no targets (nan): it counts for nothing (no host read)
+            loss_sum += torch.where(part_counted > 0, loss.float() * part_counted, 0.0)
+            counted += part_counted
+        return loss_sum / counted
+
+    def _evaluate_pass(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self._loss_context(), self.autocast():
             _, loss = self._eval_module()(x, y)
         return local_tensor(loss)
@@ -313,7 +331,9 @@ class Pipelined(ParallelModel):
         return self.pipeline.clip_grad_norm_(max_norm)
 
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, max_rows: Optional[int] = None) -> Optional[torch.Tensor]:
+        """The whole batch through the stages at once (`max_rows` is not applied: the schedule's evaluation takes
+        only the training batches' shape, whose micro-batches a padded slice would leave without targets)."""
         with self._loss_context(), self.autocast():
             loss = self.pipeline.evaluate(x, y)
         return None if loss is None else local_tensor(loss)

@@ -37,4 +37,6 @@ def test_training_and_evaluation_compile_once_each(strategy, monkeypatch):
     assert evaluations[0] == len(graphs) - 1  # training compiled before the first evaluation, which compiled once
     assert len(graphs) == 2, graphs  # the blocks of FSDP share one code object, compiled once for both
     batch = graphs[0][0][0] if strategy == "ddp" else graphs[0][1][0]  # (idx, ...) whole; (weight, x, ...) a block
-    assert batch == 4 and (graphs[1][0][0] if strategy == "ddp" else graphs[1][1][0]) == 16  # eval: 4 x the batch
+    # evaluation: batches of 4 x batch_size windows, through the model batch_size windows at a time (in eval mode:
+    # a graph of its own)
+    assert batch == 4 and (graphs[1][0][0] if strategy == "ddp" else graphs[1][1][0]) == 4

@@ -56,6 +56,28 @@ def test_evaluation_is_deterministic_and_in_eval_mode():
     assert trainer.parallel.modules[0].training  # and back in training mode afterwards
 
 
+def test_evaluation_runs_micro_batch_sized_passes_and_their_mean_is_the_whole_batchs():
+    """An evaluation batch (4 x batch_size windows) goes through the model batch_size windows at a time, so its
+    logits are never larger than a training step's (a vocabulary of thousands makes them most of the memory); the
+    mean over its counted targets is the one-pass mean, padding included (a slice of padding alone counts for
+    nothing instead of making the mean nan)."""
+    trainer = make_trainer(max_steps=1, batch_size=8)
+    model = trainer.parallel.modules[0]
+    rows_per_pass = []
+    hook = model.register_forward_pre_hook(lambda module, args: rows_per_pass.append(args[0].size(0)))
+    trainer.validation_loss()
+    hook.remove()
+    assert trainer.eval_batch_size == 32 and set(rows_per_pass) == {8}
+    x, y = trainer.split(next(iter(trainer.val_loader))[:10])
+    x, y = trainer.eval_shaped(x, y)  # 10 windows padded to 32: the last two slices are padding alone
+    assert x.size(0) == 32
+    trainer.parallel.train(False)
+    whole = trainer.parallel.evaluate(x, y)
+    sliced = trainer.parallel.evaluate(x, y, max_rows=8)
+    trainer.parallel.train(True)
+    assert torch.isfinite(sliced) and abs(sliced.item() - whole.item()) < 1e-6 * whole.item()
+
+
 def test_dropout_masks_depend_on_step_and_rank():
     cpu = torch.device("cpu")
     seed_dropout(1337, 5, 0, cpu)
