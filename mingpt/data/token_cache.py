@@ -412,18 +412,26 @@ class CharScan:
         return "".join(map(chr, np.flatnonzero(self.seen)))
 
 
-# What a BPE is trained on at most: its time and memory stay bounded on any corpus. Measured on 267 MB of Python
-# source, vocab_size 4096 (benchmarks/tokenizers.md): 64 MiB trained in 29 s peaking at 968 MiB, 32 MiB in 10 s at
-# 733 MiB, 16 MiB in 5 s at 617 MiB; the whole corpus then took 3.205, 3.164 and 3.097 bytes a token: 32 MiB costs
-# 1.3% more tokens than 64 MiB. (A cache built with 64 MiB keeps its tokenizer; a new build trains on 32 MiB.)
-BPE_SAMPLE_BYTES = 32 << 20
+# What a BPE is trained on at most: its time and memory stay bounded on any corpus, and grow with the merges it must
+# learn (4 KiB of text per token of vocabulary, at least 16 MiB, at most 64 MiB). Measured on 267 MB of Python source,
+# vocab_size 4096, in one process (benchmarks/tokenizers.md): 64 MiB trained in 29 s peaking at 968 MiB, 32 MiB in
+# 10 s at 733 MiB, 16 MiB in 5 s at 617 MiB; the whole corpus then took 3.205, 3.164 and 3.097 bytes a token (16 MiB:
+# 3.4% more tokens than 64 MiB). A cache keeps the tokenizer it was built with.
+BPE_SAMPLE_BYTES_PER_TOKEN = 4 << 10
+BPE_SAMPLE_BYTES = (16 << 20, 64 << 20)
+
+
+def bpe_sample_bytes(vocab_size: int) -> int:
+    """How much of a corpus a BPE of `vocab_size` tokens is trained on at most."""
+    low, high = BPE_SAMPLE_BYTES
+    return min(high, max(low, vocab_size * BPE_SAMPLE_BYTES_PER_TOKEN))
 
 
 class TrainingSample:
-    """The chunks a BPE is trained on: all of a text up to BPE_SAMPLE_BYTES, else every k-th chunk, spread over the
-    whole text (the same chunks for the same text: training is deterministic)."""
+    """The chunks a BPE is trained on: all of a text up to `budget` bytes (bpe_sample_bytes), else every k-th chunk,
+    spread over the whole text (the same chunks for the same text: training is deterministic)."""
 
-    def __init__(self, total_bytes: int, budget: int = BPE_SAMPLE_BYTES) -> None:
+    def __init__(self, total_bytes: int, budget: int) -> None:
         self.stride = max(1, -(-total_bytes // budget))
         self.chunks: list[bytes] = []
         self.n_bytes, self._seen = 0, 0
@@ -694,7 +702,7 @@ class CacheEntry:
             return CharTokenizer(scan.vocab()), scan.n_chars
         if self.choice.kind == "path":
             return self.choice.load(), self._scan(sources, spools, progress, None)
-        sample = TrainingSample(sum(s.size for s in sources))
+        sample = TrainingSample(sum(s.size for s in sources), bpe_sample_bytes(self.choice.vocab_size))
         n_bytes = self._scan(sources, spools, progress, sample.add)
         start = time.perf_counter()
         origin = f"data_config.tokenizer=bpe, vocab_size={self.choice.vocab_size}, trained on {self.location}"
