@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-# `make test` runs the suite in TEST_WORKERS processes (pytest-xdist, --dist loadgroup): most end-to-end tests wait
-# on process start-ups, servers and signals more than they compute, so two at once fill both cores of a small CI VM.
+# `make test TEST_WORKERS=N` runs the suite in N processes (pytest-xdist, --dist loadgroup), for machines with more
+# cores than CI's two, where it does not pay: the suite is bound by CPU there (docs/testing.md).
 
 
 def pytest_configure(config: pytest.Config) -> None:
