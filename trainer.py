@@ -492,8 +492,9 @@ class Trainer:
         self.sampler = ResumableDistributedSampler(len(train_data), data_ranks, data_rank, cfg.seed)
         self.train_loader = make_loader(train_data, self.sampler, cfg.batch_size, True, cfg, self.ctx.device)
         own_val_windows = range(data_rank, len(val_data), data_ranks)  # disjoint across replicas, no padding
-        # Without gradients a window needs a fraction of the memory: evaluate EVAL_BATCH_FACTOR x larger batches (their
-        # forward passes of batch_size windows each: the logits of a large vocabulary are not a fraction).
+        # Evaluation batches of EVAL_BATCH_FACTOR x batch_size windows (the unit of eval_batches and of the lockstep
+        # passes), each through the model batch_size windows at a time: a large vocabulary's logits are most of a
+        # window's memory, with gradients or without.
         self.eval_batch_size = cfg.batch_size * EVAL_BATCH_FACTOR
         self.val_loader = make_loader(val_data, own_val_windows, self.eval_batch_size, False, cfg, self.ctx.device)
         self._eval_lockstep = eval_lockstep(val_data, cfg, data_ranks) if self.parallel.lockstep_eval else None

@@ -329,6 +329,7 @@ class BpeTokenizer(Tokenizer):
         except Exception as e:  # tokenizers' own parse error (an Exception subclass of its Rust side)
             raise UsageError(f"{origin} is not a tokenizer: {first_line(e)}") from None
         self.json, self.origin = tokenizer_json, origin
+        self._fast: Optional[tuple[Optional[FastBpe], str]] = None  # fast_encoder's answer, once asked
         self._size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         if self._size > MAX_VOCAB:
             raise UsageError(f"{origin} has {self._size:,} tokens, more than uint32 ids hold")
@@ -359,7 +360,7 @@ class BpeTokenizer(Tokenizer):
 
     def fast_encoder(self) -> tuple[Optional[FastBpe], str]:
         """(tiktoken's encoder of the same ids, "") or (None, why tokenizers itself encodes): built once."""
-        if not hasattr(self, "_fast"):
+        if self._fast is None:
             self._fast = FastBpe.of(self)
             if self._fast[0] is None:
                 log.info("data: encoding with tokenizers (not tiktoken: %s)", self._fast[1])
