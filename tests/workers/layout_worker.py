@@ -38,7 +38,7 @@ from reference import Reference
 import main
 from char_dataset import CharCorpus, DataConfig
 from mingpt.checkpoint.store import SnapshotStore, read_snapshot, summary
-from mingpt.distributed.process_group import DistContext, setup_distributed
+from mingpt.distributed.process_group import DistContext, leave_distributed, setup_distributed
 from mingpt.optim import OptimizerConfig
 from mingpt.parallel.layout import ParallelConfig
 from mingpt.parallel.state import weights_sha256_of
@@ -209,8 +209,9 @@ def main_worker(out: Path, names: list[str]) -> None:
         results[name] = check(name, same_optimizer[(same_optimizer.index(name) + 1) % len(same_optimizer)], ctx, out)
         if ctx.is_main:
             (out / "result.json").write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    # As main.py ends: together, and with the failure watch stopped first (its thread, still inside a store request
+    # at exit, aborted a rank now and then on a loaded machine: "terminate called without an active exception").
+    leave_distributed()
 
 
 if __name__ == "__main__":
