@@ -24,10 +24,11 @@ install-test: $(VENV)/.installed-test
 run: install
 	$(VENV)/bin/python main.py preset=cpu $(ARGS)
 
-# The whole suite; TEST_WORKERS=N runs N tests at a time (pytest-xdist; a file's tests in one worker: docs/testing.md).
-TEST_WORKERS ?= 1
+# The whole suite, TEST_WORKERS tests at a time (pytest-xdist: a file's tests in one worker, the longest files first,
+# in tests/conftest.py's order; docs/testing.md). TEST_WORKERS=1: one at a time.
+TEST_WORKERS ?= 2
 test: install-test
-	$(VENV)/bin/python -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup) $(ARGS)
+	$(VENV)/bin/python -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-oldest .venv-oldest-fsdp  # outputs/ and snapshots/ are your runs: delete them yourself
