@@ -28,7 +28,7 @@ run: install
 # in tests/conftest.py's order; docs/testing.md). TEST_WORKERS=1: one at a time.
 TEST_WORKERS ?= 2
 test: install-test
-	$(VENV)/bin/python -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder) $(ARGS)
+	$(VENV)/bin/python -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-oldest .venv-oldest-fsdp  # outputs/ and snapshots/ are your runs: delete them yourself

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-# `make test` runs the suite in TEST_WORKERS processes (pytest-xdist, --dist loadgroup; 2 by default, for CI's two
+# `make test` runs the suite in TEST_WORKERS processes (pytest-xdist, --dist loadfile; 2 by default, for CI's two
 # cores: docs/testing.md gives the figures).
 
 # Under several workers the longest files start first (serial durations of 2026-12-06, 2 cores): one that started
 # last would keep a worker busy long after the other had run out of tests.
-LONGEST_FIRST = ("tests/e2e/test_slurm.py", "tests/e2e/test_layouts.py", "tests/e2e/test_bad_input.py",
-                 "tests/e2e/test_storage_faults.py", "tests/e2e/test_resume.py", "tests/e2e/test_gpu_check.py",
-                 "tests/e2e/test_chaos.py", "tests/e2e/test_compile.py")
+LONGEST_FIRST = ("tests/e2e/test_docs.py", "tests/e2e/test_slurm.py", "tests/e2e/test_layouts.py",
+                 "tests/e2e/test_bad_input.py", "tests/e2e/test_storage_faults.py", "tests/e2e/test_resume.py",
+                 "tests/e2e/test_tokenizer.py", "tests/e2e/test_lifecycle.py", "tests/e2e/test_gpu_check.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -30,12 +30,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A file's tests run in one worker (its module-scoped launches then serve all of them once), unless a test
-    names a group of its own (an `xdist_group` mark: test_docs.py's documents, each a long run of its own). Under
-    several workers, LONGEST_FIRST's files come first (xdist hands the groups out in this order)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    """Under several workers, LONGEST_FIRST's files come first: xdist hands the files out in this order (each file's
+    tests to one worker, --dist loadfile, so that a module-scoped launch serves all of them once)."""
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
         rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
         items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep order

@@ -148,8 +148,7 @@ def tracked_copy(destination: Path) -> Path:
     return destination
 
 
-@pytest.mark.parametrize("document", [pytest.param(doc, marks=pytest.mark.xdist_group(f"docs:{doc}"))
-                                      for doc in documents() if runnable(doc)])  # each document in any worker
+@pytest.mark.parametrize("document", [doc for doc in documents() if runnable(doc)])
 def test_the_documents_blocks_run_as_written(document, tmp_path):
     project = tracked_copy(tmp_path / "project")
     env = subprocess_env(tmp_path)
