@@ -55,7 +55,9 @@ def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
     logged value are those of the run that was not interrupted. In the default precision (bf16 autocast and matmul
     attention on a CPU with bf16 instructions, fp32 on others), with Muon and AdamW where torch has Muon; an AdamW
     run then refuses the Muon snapshots in one line."""
-    data = [*several_files(tmp_path), *muon_where_available()]
+    # A metrics row every step: wherever a late kill lands after step 35, the rows since the last snapshot are
+    # re-run (with rows every 5 steps, a kill between the save at 40 and the row at 45 re-ran none)
+    data = [*several_files(tmp_path), *muon_where_available(), "trainer_config.log_every_steps=1"]
     killed = run_case(Case("ddp", (*resume_args("{s}", "{d}/run", max_steps=100, precision="auto"), *data), nproc=2,
                            fault=Fault(at_step=35), reference=True, expect=("resumed from",)), tmp_path)
     log = killed.output
