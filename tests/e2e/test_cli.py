@@ -33,9 +33,9 @@ def assert_trained(run_dir: Path, world_size: int) -> list[dict]:
     return rows
 
 
-@pytest.mark.oldest_torch
 def test_torchrun_two_processes(tmp_path):
-    """Also: each worker is the process torchrun started (no stand-in)."""
+    """Also: each worker is the process torchrun started (no stand-in). (Not marked oldest_torch: the old legs train
+    two processes under torchrun in tests/e2e/test_resume.py's SIGKILL test and test_s3.py's.)"""
     command = cli([*own_snapshots(tmp_path), *TINY], standalone(2))
     launch = subprocess.Popen(command, cwd=tmp_path, env=subprocess_env(tmp_path), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
