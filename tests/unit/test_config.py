@@ -1,11 +1,12 @@
 """The YAML + schema (config.py), composed with Hydra's compose API exactly as main.py composes it."""
 
 import dataclasses
+import re
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from support import project_modules
+from support import TINY, project_modules
 
 from main import TrainConfig
 from mingpt import config
@@ -123,6 +124,49 @@ def test_precheck_gives_one_line(overrides, message):
     text = str(info.value)
     assert message in text
     assert "\n" not in text
+
+
+# Values main.py refuses before Hydra runs, each with its one line (a regex), on top of a 10-step TINY run's overrides
+# as tests/e2e/test_bad_input.py gives them: that table runs a row of each kind through the real CLI (exit code 2, the
+# line on stderr, no snapshot touched, no run folder); these go through the same check, config.precheck_overrides, here.
+PRECHECK_REFUSALS = {
+    "config: +new_key": (["+trainer_config.max_epoch=3"],
+                         r"unknown config key trainer_config\.max_epoch \(known keys: .*max_epochs"),
+    "config: dropout out of range": (["gpt_config.dropout=1.5"], r"gpt_config\.dropout must be in \[0, 1\), got 1\.5"),
+    "config: unknown attention implementation": (
+        ["gpt_config.attention=flash"], r"gpt_config\.attention must be one of auto, sdpa, matmul, got 'flash'"),
+    "config: unknown strategy": (["parallel_config.strategy=zero3"],
+                                 r"parallel_config\.strategy must be one of ddp, fsdp, got 'zero3'"),
+    "config: unknown activation checkpointing": (
+        ["parallel_config.activation_checkpointing=all"],
+        r"parallel_config\.activation_checkpointing must be one of none, blocks, got 'all'"),
+    "config: zero keep_last": (["trainer_config.keep_last=0"], r"trainer_config\.keep_last must be positive, got 0"),
+    "config: min_lr above learning_rate": (["optimizer_config.min_lr=0.01"],
+                                           r"min_lr must be in \[0, learning_rate=0\.003\], got 0\.01"),
+    "config: n_embd not divisible by n_head": (["gpt_config.n_head=3"], r"divisible by gpt_config\.n_head"),
+    "config: decay ends before warmup": (["optimizer_config.decay_steps=3"],
+                                         r"decay_steps \(3\) must be larger than optimizer_config\.warmup_steps \(5\)"),
+    "command line: negative batch size": (["trainer_config.batch_size=-4"], r"batch_size must be positive"),
+    "command line: zero learning rate": (["optimizer_config.learning_rate=0"], r"learning_rate must be positive"),
+    "command line: negative learning rate": (["optimizer_config.learning_rate=-1e-3"],
+                                             r"learning_rate must be positive"),
+    "command line: train_split of 1": (["data_config.train_split=1.0"], r"train_split must be in \(0, 1\)"),
+    "command line: train_split of 0": (["data_config.train_split=0"], r"train_split must be in \(0, 1\)"),
+    "layout: more stages than blocks": (["parallel_config.pp=4"], r"4 pipeline stages"),
+    "layout: pp_layers not summing": (["parallel_config.pp=2", "parallel_config.pp_layers=[1,2]"],
+                                      r"must give each of the 2 pipeline stages its blocks"),
+    "layout: fp16 with a pipeline": (["parallel_config.pp=2", "trainer_config.mixed_precision=fp16"],
+                                     r"not offered with pipeline parallelism"),
+    "layout: the zero-bubble schedule": (["parallel_config.pp=2", "parallel_config.pp_schedule=ZBVZeroBubble"],
+                                         r"trains wrong without an error"),
+}
+
+
+@pytest.mark.parametrize("overrides, line", PRECHECK_REFUSALS.values(), ids=PRECHECK_REFUSALS.keys())
+def test_bad_values_are_refused_in_one_line_before_hydra_runs(overrides, line):
+    with pytest.raises(UsageError) as info:
+        config.precheck_overrides(TrainConfig, [*TINY, "trainer_config.max_steps=10", *overrides])
+    assert re.search(line, str(info.value)) and "\n" not in str(info.value), str(info.value)
 
 
 def test_precheck_checks_around_hydra_flags():
