@@ -73,6 +73,15 @@ SKIPPED = {
     ("benchmarks/chaos.md", "python benchmarks/chaos.py --trials 20"): "minutes a trial: 10.5 minutes for these",
 }
 
+# (document, the start of its block's first line): the documents whose blocks run each of its commands, as written.
+# The README shows what a guide shows and runs: each such command runs once, in the guide (the test below keeps them
+# equal).
+RUNS_IN = {
+    ("README.md", "python main.py preset=cpu optimizer_config.name=muon"): ("docs/recipe.md",),
+    ("README.md", "python main.py preset=cpu gpt_config.bigram_embedding=false"): ("docs/snapshots.md",
+                                                                                  "docs/tracking.md"),
+}
+
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 
 
@@ -98,8 +107,22 @@ def command_count(block: str) -> int:
     return sum(1 for i, line in enumerate(lines) if i == 0 or not lines[i - 1].rstrip().endswith("\\"))
 
 
+def commands(block: str) -> list[str]:
+    """The block's commands, each with its continuation lines joined, without comments, whitespace collapsed."""
+    joined = re.sub(r"\\\n", " ", block)
+    lines = (re.sub(r"(^|\s)#.*", "", line) for line in joined.splitlines())
+    return [" ".join(line.split()) for line in lines if line.strip()]
+
+
+def runs_in(document: str, block: str) -> tuple[str, ...]:
+    line = first_line(block)
+    return next((docs for (doc, start), docs in RUNS_IN.items() if doc == document and line.startswith(start)), ())
+
+
 def skip_reason(document: str, block: str) -> str | None:
     line = first_line(block)
+    if runs_in(document, block):
+        return f"its commands run in {', '.join(runs_in(document, block))}"
     return next((why for (doc, start), why in SKIPPED.items() if doc == document and line.startswith(start)), None)
 
 
@@ -119,6 +142,17 @@ def test_each_listed_block_matches_exactly_one_block():
         blocks = [block for info, block in fences(doc) if info == SHELL] if (PROJECT_DIR / doc).is_file() else []
         matches = [block for block in blocks if first_line(block).startswith(start)]
         assert len(matches) == 1, f"SKIPPED[{doc!r}, {start!r}] ({why}) matches {len(matches)} blocks"
+
+
+def test_a_block_that_runs_in_another_document_is_its_commands_as_written():
+    """A README block listed in RUNS_IN is not run twice: each of its commands is one that those documents run (a
+    command edited in one place only fails here), and each listed start names exactly one block."""
+    for (doc, start), docs in RUNS_IN.items():
+        blocks = [block for info, block in fences(doc) if info == SHELL and first_line(block).startswith(start)]
+        assert len(blocks) == 1, f"RUNS_IN[{doc!r}, {start!r}] matches {len(blocks)} blocks"
+        elsewhere = {command for other in docs for block in runnable(other) for command in commands(block)}
+        missing = [command for command in commands(blocks[0]) if command not in elsewhere]
+        assert missing == [], f"{doc}: not run by {docs}: {missing}"
 
 
 def test_the_files_a_skipped_block_names_exist():
