@@ -17,6 +17,7 @@ from support import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel")
 REQUEUE_DELAY_S = 5  # how long a requeued job waits before it may start again (SLURM's default is 120 s)
+JOB_CPU = min(os.sched_getaffinity(0))  # the one core the jobs run on (slurmd's, below)
 
 
 def unavailable_reason() -> str | None:
@@ -61,7 +62,10 @@ class SlurmCluster:
                                f"--seed-file={munge_dir / 'munged.seed'}", f"--key-file={key}"])
         self._wait(lambda: self.munge_socket.exists(), timeout, "munged's socket")
         self._spawn("slurmctld", [_binary("slurmctld"), "-D", "-f", str(self.conf)])
-        self._spawn("slurmd", [_binary("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
+        # slurmd on one core, and so every job (its step daemons inherit the CPUs it may run on; TaskPlugin=task/none
+        # leaves them as they are): a job's two workers share that core, as on a node shared with other jobs, and
+        # train 1.65x slower for the same CPU time (tests/e2e/test_slurm.py sizes its runs by that).
+        self._spawn("slurmd", [_binary("slurmd"), "-D", "-f", str(self.conf), "-N", self.node], cpus={JOB_CPU})
         self._wait(lambda: self.node_state() == "idle", timeout, f"node {self.node} to be idle")
 
     def stop(self) -> None:
@@ -115,9 +119,11 @@ class SlurmCluster:
         proc = self.run("sinfo", "--noheader", "--format=%T", "--nodes", self.node, check=False)
         return proc.stdout.strip() if proc.returncode == 0 else ""
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], cpus: set[int] | None = None) -> None:
         log = (self.root / f"{name}.out").open("w")
-        self.daemons.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        pin = None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
+        self.daemons.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                             preexec_fn=pin))
 
     def _wait(self, predicate, timeout: float, what: str, interval: float = 0.2) -> None:
         deadline = time.monotonic() + timeout

@@ -1,5 +1,5 @@
 """slurm/sbatch_run.sh under a real SLURM (slurmctld, slurmd and munge on 127.0.0.1, tests/slurm_cluster.py), two CPU
-workers on the node: a job trains to the end; a job at its time limit snapshots, requeues itself and, preempted in its
+workers on one core of the node: a job trains to the end; a job at its time limit snapshots, requeues itself and, preempted in its
 next allocation, snapshots again and finishes in a later one; scancel leaves loadable snapshots and no process.
 The interrupted job ends with the weights of the uninterrupted one."""
 
@@ -16,10 +16,11 @@ from support import PROJECT_DIR, TINY, free_port, read_summary, subprocess_env, 
 
 from mingpt.checkpoint import store as snapshot
 
-# 12.6 ms a step on 2 quiet cores (torchrun's own workers, gloo's all-reduce), so about 75 s of training: longer than
-# a 1-minute job runs before its early signal (below, at most 40 s in), with room for a CI machine a third faster.
-# 4,000 steps once finished before the signal came (at 5 ms a step); 12,000 made this file a quarter of the suite.
-STEPS = 6000
+# The jobs' two workers share one core (tests/slurm_cluster.py pins slurmd): 15.8 ms a step against 9.6 on two quiet
+# cores, for the same CPU time, so about 63 s of training: longer than a 1-minute job runs before its early signal
+# (below, at most 40 s in), with room for a faster machine (on two cores 4,000 steps once finished before the
+# signal came, at 5 ms a step: here that is 8 ms, 33 s). 6,000 steps on two cores took 50% more CPU for as long.
+STEPS = 4000
 TRAINING = [*TINY, f"trainer_config.max_steps={STEPS}", "trainer_config.max_epochs=100",
             "trainer_config.log_every_steps=500", "trainer_config.eval_every_steps=1000"]
 # A 1-minute time limit with SIGUSR1 50 s before it: SLURM checks time limits every 30 s, so the signal comes 10 to
