@@ -64,7 +64,7 @@ class SlurmCluster:
         self._spawn("slurmctld", [_binary("slurmctld"), "-D", "-f", str(self.conf)])
         # slurmd on one core, and so every job (its step daemons inherit the CPUs it may run on; TaskPlugin=task/none
         # leaves them as they are): a job's two workers share that core, as on a node shared with other jobs, and
-        # train 1.65x slower for the same CPU time (tests/e2e/test_slurm.py sizes its runs by that).
+        # train 1.43 times slower on one core instead of two (tests/e2e/test_slurm.py sizes its runs by that).
         self._spawn("slurmd", [_binary("slurmd"), "-D", "-f", str(self.conf), "-N", self.node], cpus={JOB_CPU})
         self._wait(lambda: self.node_state() == "idle", timeout, f"node {self.node} to be idle")
 

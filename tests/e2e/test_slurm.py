@@ -1,7 +1,7 @@
 """slurm/sbatch_run.sh under a real SLURM (slurmctld, slurmd and munge on 127.0.0.1, tests/slurm_cluster.py), two CPU
-workers on one core of the node: a job trains to the end; a job at its time limit snapshots, requeues itself and, preempted in its
-next allocation, snapshots again and finishes in a later one; scancel leaves loadable snapshots and no process.
-The interrupted job ends with the weights of the uninterrupted one."""
+workers on one core of the node: a job trains to the end; a job at its time limit snapshots, requeues itself and,
+preempted in its next allocation, snapshots again and finishes in a later one; scancel leaves loadable snapshots and
+no process. The interrupted job ends with the weights of the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from support import PROJECT_DIR, TINY, free_port, read_summary, subprocess_env, 
 
 from mingpt.checkpoint import store as snapshot
 
-# The jobs' two workers share one core (tests/slurm_cluster.py pins slurmd): 15.8 ms a step against 9.6 on two quiet
-# cores, for the same CPU time, so about 63 s of training: longer than a 1-minute job runs before its early signal
-# (below, at most 40 s in), with room for a faster machine (on two cores 4,000 steps once finished before the
-# signal came, at 5 ms a step: here that is 8 ms, 33 s). 6,000 steps on two cores took 50% more CPU for as long.
+# The jobs' two workers share one core (tests/slurm_cluster.py pins slurmd): 18 ms a step, so about 72 s of training,
+# against 12.6 ms on two quiet cores (6,000 steps took 75 s there, keeping both cores busy): longer than a 1-minute
+# job runs before its early signal (below, at most 40 s in), with room for a faster machine (on two cores 4,000
+# steps once finished before the signal came, at 5 ms a step: 1.43 times that is 29 s for these 4,000).
 STEPS = 4000
 TRAINING = [*TINY, f"trainer_config.max_steps={STEPS}", "trainer_config.max_epochs=100",
             "trainer_config.log_every_steps=500", "trainer_config.eval_every_steps=1000"]
