@@ -121,8 +121,8 @@ def runs_in(document: str, block: str) -> tuple[str, ...]:
 
 def skip_reason(document: str, block: str) -> str | None:
     line = first_line(block)
-    if runs_in(document, block):
-        return f"its commands run in {', '.join(runs_in(document, block))}"
+    if elsewhere := runs_in(document, block):
+        return f"its commands run in {', '.join(elsewhere)}"
     return next((why for (doc, start), why in SKIPPED.items() if doc == document and line.startswith(start)), None)
 
 
