@@ -15,6 +15,7 @@ other rank watches that key and leaves within about a second (it polls once a se
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import logging
 import os
@@ -479,6 +480,11 @@ def leave_distributed() -> None:
     _FailureWatch.before_exit.clear()  # a sweep's next job has its own trainer
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        # destroy_process_group only unregisters the groups: one that a garbage cycle still holds (a pipeline stage
+        # keeps its group) lives on with its gloo threads until a collection. Were that the interpreter's final one,
+        # a gloo thread taking the GIL then aborts the process ("terminate called without an active exception",
+        # exit -6, once in CI); collected here, the groups' threads are joined while Python is fully alive.
+        gc.collect()
 
 
 def report_failure(message: str) -> bool:
