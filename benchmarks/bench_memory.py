@@ -50,7 +50,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 MIB = 2**20
@@ -326,26 +326,31 @@ def digest_worker(project_dir: Path, overrides: list[str]) -> None:
     import main
     from char_dataset import CharCorpus
     from mingpt.distributed import process_group as distributed
-    from mingpt.parallel.state import weights_sha256_of
 
     cfg = main.load_config(overrides)
     corpus = CharCorpus.load(cfg.data_config, build=distributed.local_rank() == 0)
     ctx = distributed.setup_distributed()
     try:
         distributed.configure_device(ctx.device)
-        trainer = main.build_trainer(cfg, corpus, ctx, run_dir=None, with_snapshots=False)
-        params = {id(p): p for module in trainer.parallel.modules for p in module.parameters()}  # tied: once
-        held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params.values())  # its shards
-        digest = weights_sha256_of(trainer.parallel.whole_tensors())
-        everyone = ctx.gather_objects({"digest": digest, "held": held})
+        result = initial_digest(main.build_trainer(cfg, corpus, ctx, run_dir=None, with_snapshots=False), ctx)
         if ctx.is_main:
-            print(json.dumps({"layout": trainer.parallel.name, "world_size": ctx.world_size,
-                              "rank_digests": [r["digest"] for r in everyone],
-                              "parameters_held_per_rank": [r["held"] for r in everyone]}))
+            print(json.dumps(result))
     except BaseException:
         distributed.abandon_distributed()
         raise
-    distributed.leave_distributed()
+    distributed.leave_distributed()  # the trainer is garbage by now: its process groups go with the group's end
+
+
+def initial_digest(trainer: Any, ctx: Any) -> dict:
+    """Collective. The layout, and every rank's digest of the whole weights and count of the parameters it holds."""
+    from mingpt.parallel.state import weights_sha256_of
+
+    params = {id(p): p for module in trainer.parallel.modules for p in module.parameters()}  # tied: once
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params.values())  # its shards
+    digest = weights_sha256_of(trainer.parallel.whole_tensors())
+    everyone = ctx.gather_objects({"digest": digest, "held": held})
+    return {"layout": trainer.parallel.name, "world_size": ctx.world_size,
+            "rank_digests": [r["digest"] for r in everyone], "parameters_held_per_rank": [r["held"] for r in everyone]}
 
 
 def initial_weights(args: argparse.Namespace, strategies: list[str], overrides: list[str]) -> dict:
