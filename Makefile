@@ -6,15 +6,19 @@ EXTRAS = requirements-hf.txt requirements-mlflow.txt requirements-wandb.txt requ
 
 .PHONY: install install-test run test clean
 
+# pip's own options for both set-ups, e.g. INSTALL_FLAGS=--no-compile (.ci/run: its tests' processes cache the
+# bytecode of what they import, a fraction of what pip would compile).
+INSTALL_FLAGS ?=
+
 # What a training run imports (requirements.txt), nothing more: `make run`'s set-up.
 $(VENV)/.installed-run: requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -r requirements.txt
+	$(VENV)/bin/python -m pip install $(INSTALL_FLAGS) -r requirements.txt
 	touch $@
 
 # The same, and the tests' tools with every optional part (requirements-test.txt): `make test`'s set-up.
 $(VENV)/.installed-test: $(VENV)/.installed-run requirements-test.txt $(EXTRAS)
-	$(VENV)/bin/python -m pip install -r requirements.txt -r requirements-test.txt
+	$(VENV)/bin/python -m pip install $(INSTALL_FLAGS) -r requirements.txt -r requirements-test.txt
 	touch $@
 
 install: $(VENV)/.installed-run
