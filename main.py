@@ -261,7 +261,7 @@ def train(cfg: TrainConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Non
     tracking = Tracking(cfg.tracking_config, redacted(dataclasses.asdict(cfg)), trainer.metrics, store, run_dir)
     on_abrupt_exit(trainer.checkpoints.finish_quietly)  # a snapshot being written is finished first
     trainer.fit()
-    if trainer.trained_steps and not trainer.stopped_early:
+    if trainer.trained_steps and not trainer.stopped_early and cfg.trainer_config.report_at_end:
         whole = model_config(cfg, corpus, ctx.device, folder)
         model = trainer.full_model_copy(lambda: GPT(whole))  # gathered from shards and stages
         if trainer.ctx.is_main:

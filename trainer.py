@@ -77,6 +77,8 @@ class TrainerConfig:
     """log line and metrics.jsonl row every this many steps"""
     progress: str = "auto"
     """auto (bar on a terminal, lines otherwise) | bar | lines | off"""
+    report_at_end: bool = True
+    """after training, rank 0 draws loss.png and logs a short sample (false: neither, and no whole-model gather)"""
     data_loader_workers: int = 0
     """DataLoader worker processes (a batch is one tensor gather; 0 is usually fastest)"""
     snapshot_path: str = "snapshots/default"

@@ -48,13 +48,15 @@ def module_name(path: Path) -> str:
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
 
 # A model and a data slice small enough that a run takes seconds on 2 CPU cores (the chaos harness's, chaos.py), and
-# a short run of it.
+# a short run of it, without the end-of-run plot and sample (a child process and a second of CPU a run: the tests
+# of what they show ask for them, trainer_config.report_at_end=true).
 TINY = [
     *TINY_MODEL,
     "trainer_config.max_steps=40",
     "trainer_config.log_every_steps=5",
     "trainer_config.eval_every_steps=20",
     "trainer_config.eval_batches=8",
+    "trainer_config.report_at_end=false",
 ]
 
 

@@ -52,6 +52,8 @@ def test_torchrun_two_processes(tmp_path):
     # Only rank 0 logs progress.
     assert result.stdout.count("val loss") == 2
     assert "[rank 1]" not in result.stdout
+    # trainer_config.report_at_end=false (TINY's): no plot, no sample (test_single_process_without_torchrun: both).
+    assert not (run_dir / "loss.png").exists() and "sample (" not in stdout and "loss plot" not in stdout
 
 
 # Imported by a one-process eager run, each would add 0.3-2 s to every start (bench_launch.py): DCP (sharded
@@ -72,7 +74,7 @@ WATCH_IMPORTS = (  # reported at exit: main.py ends a clean run with os._exit (n
 
 def test_single_process_without_torchrun(tmp_path, run_dir):
     """Also: the saved overrides are the user's, and the process imports none of NOT_IMPORTED."""
-    command = cli([*own_snapshots(tmp_path), *TINY, f"hydra.run.dir={run_dir}"])
+    command = cli([*own_snapshots(tmp_path), *TINY, "trainer_config.report_at_end=true", f"hydra.run.dir={run_dir}"])
     result = subprocess.run([command[0], "-c", WATCH_IMPORTS, *command[1:]], cwd=tmp_path,
                             env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert_ok(result)

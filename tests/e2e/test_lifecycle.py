@@ -35,7 +35,8 @@ def test_rerun_of_a_finished_job_says_so_and_exits_0(tmp_path):
     assert_ok(first)
     # Again, as `make run` twice does: a new run directory, nothing to train. Under torchrun, where a crash at the
     # end would use up every restart.
-    again = run_cli(job_args(snaps, tmp_path / "run2", max_steps=20, save_every_steps=10), tmp_path, nproc=2)
+    again = run_cli(job_args(snaps, tmp_path / "run2", max_steps=20, save_every_steps=10, report_at_end="true"),
+                    tmp_path, nproc=2)
     assert_ok(again)
     assert again.stdout.count("nothing to train") == 1, again.stdout[-3000:]
     assert "raise trainer_config.max_steps or trainer_config.max_epochs" in again.stdout

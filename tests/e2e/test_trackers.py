@@ -41,7 +41,8 @@ def tracked_args(tmp_path: Path | str, run_dir: Path | str, max_steps: int) -> l
     return job_args(f"{tmp_path}/snaps", run_dir, f"trainer_config.snapshot_storage_options={{token:'{SECRET}'}}",
                     "tracking_config.mlflow=true", f"tracking_config.mlflow_tracking_uri={mlflow_store(tmp_path)}",
                     "tracking_config.wandb=true", f"tracking_config.wandb_dir={tmp_path}", max_steps=max_steps,
-                    log_every_steps=2, eval_every_steps=10, save_every_steps=20, progress="lines")
+                    log_every_steps=2, eval_every_steps=10, save_every_steps=20, progress="lines",
+                    report_at_end="true")  # the loss plot goes to the trackers
 
 
 def mlflow_store(tmp_path: Path | str) -> str:

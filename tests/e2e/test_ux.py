@@ -20,7 +20,7 @@ from mingpt.reporting.logs import read_metrics
 def trained(tmp_path_factory) -> Path:
     """One tiny single-process run shared by the tests that only look at its results."""
     tmp = tmp_path_factory.mktemp("trained")
-    result = run_cli(job_args(tmp / "snaps", tmp / "run"), tmp)
+    result = run_cli(job_args(tmp / "snaps", tmp / "run", report_at_end="true"), tmp)
     assert_ok(result)
     (tmp / "stdout.txt").write_text(result.stdout)
     return tmp
