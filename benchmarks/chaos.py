@@ -73,7 +73,8 @@ TINY_MODEL = [
     "trainer_config.mixed_precision=fp32",
 ]
 # The tiny model, one metrics row per step, an evaluation every EVAL_EVERY steps (a larger validation split so
-# that it lasts long enough to be hit), a snapshot every SAVE_EVERY steps.
+# that it lasts long enough to be hit), a snapshot every SAVE_EVERY steps, no end-of-run plot or sample (the trial
+# compares weights).
 EVAL_EVERY, SAVE_EVERY = 10, 3
 JOB = [
     *TINY_MODEL,
@@ -83,6 +84,7 @@ JOB = [
     f"trainer_config.save_every_steps={SAVE_EVERY}",
     "trainer_config.keep_last=2",
     "trainer_config.progress=lines",
+    "trainer_config.report_at_end=false",
 ]
 RESUMED = re.compile(r"resumed from \S+: step (\d+)")
 FRESH = "no snapshot in"
