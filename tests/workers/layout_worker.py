@@ -126,9 +126,11 @@ def optimizer_of(name: str) -> OptimizerConfig:
 
 def config(strategy: str, parallel: dict, batch_size: int, snapshots: Path,
            optimizer: OptimizerConfig) -> main.TrainConfig:
+    # One validation batch at the end of a run: its path runs on every layout, and nothing here compares its loss
+    # (tests/workers/pp_worker.py does); the whole split took half of a tensor-parallel launch's time.
     trainer = TrainerConfig(max_steps=STEPS, batch_size=batch_size, mixed_precision="fp32", grad_norm_clip=0.3,
-                            eval_every_steps=0, save_every_steps=SAVED, keep_last=3, log_every_steps=100,
-                            progress="off", snapshot_path=str(snapshots))
+                            eval_every_steps=0, eval_batches=1, save_every_steps=SAVED, keep_last=3,
+                            log_every_steps=100, progress="off", snapshot_path=str(snapshots))
     return main.TrainConfig(DataConfig(block_size=16), main.ModelSettings(n_layer=4, n_head=4, n_embd=32, dropout=0.0),
                             optimizer, trainer, ParallelConfig(strategy=strategy, **parallel))
 
