@@ -11,8 +11,8 @@ The row permutation and the state conversions on full tensors, in this process: 
 FSDP2 x TP on 4 processes is tested through the real Trainer in tests/e2e/test_layouts.py (the worker still runs it:
 `torchrun --standalone --nproc_per_node=4 tests/workers/tp_worker.py OUT`).
 
-~25 s on 2 cores, plus 10-25 s for the compiled case (inductor, cold cache): `pytest -k "not compiled"` leaves it out
-of the 2-process launch.
+~15 s on 2 cores, and a few more for the compiled case (dynamo and AOTAutograd: the aot_eager backend, below):
+`pytest -k "not compiled"` leaves it out of the 2-process launch.
 """
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ class Launch:
 def launch(nproc: int, out: Path, *flags: str) -> Launch:
     env = subprocess_env(out)
     env["OMP_NUM_THREADS"] = "1"  # as many processes as cores, or twice as many
+    # The compiled case traces the TP blocks with dynamo and AOTAutograd (where DTensor meets the compiler) but
+    # leaves inductor's CPU C++ code generation, which no TP user runs, to tests/e2e/test_compile.py's one compile:
+    # inductor from a cold cache cost this launch 49 more CPU-s, aot_eager 6 (2026-12-07).
+    env["TP_COMPILE_BACKEND"] = "aot_eager"
     proc = subprocess.run([*TORCHRUN, *standalone(nproc), str(WORKER), str(out), *flags], cwd=out, env=env,
                           capture_output=True, text=True, timeout=300)
     result = out / "result.json"

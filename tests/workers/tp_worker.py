@@ -9,11 +9,11 @@ Two processes: "tp" (TP 2 against one process, and the same with the tie left un
 canonical order; a one-process state loaded into TP 2, from DCP and from full tensors), "stages" (TP on two
 pipeline-stage copies of the model), "error" (a degree that does not divide n_head, block_size or the sequence),
 "options" (every model option of model.py at once: TP 2 against one process), and with --compile "compile" (bf16
-autocast and torch.compile'd blocks). Four processes: "fsdp_tp" (FSDP2 over "dp" on top of TP over "tp", a 2x2
-mesh; its state saved in canonical order, and loaded back). Rank 0 writes
-OUT_DIR/result.json ({case: figures}, after each case) and the tensors the test process compares against a
-checkpoint (OUT_DIR/*.pt). Every figure is computed on every rank (the collectives need them all); rank 0's are
-reported.
+autocast and torch.compile'd blocks; the backend: TP_COMPILE_BACKEND, inductor by default). Four processes:
+"fsdp_tp" (FSDP2 over "dp" on top of TP over "tp", a 2x2 mesh; its state saved in canonical order, and loaded back).
+Rank 0 writes OUT_DIR/result.json ({case: figures}, after each case) and the tensors the test process compares
+against a checkpoint (OUT_DIR/*.pt). Every figure is computed on every rank (the collectives need them all); rank
+0's are reported.
 """
 
 from __future__ import annotations
