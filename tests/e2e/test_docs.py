@@ -31,7 +31,7 @@ YOUR_DATA = "needs your own files at /data"
 BENCHMARK = "a benchmark: minutes of measuring, not a check"
 NANOGPT = "needs nanoGPT's repository cloned beside the project (network), and minutes of measuring"
 SKIPPED = {
-    ("README.md", "make run"): INSTALLS + "; then trains the whole quick-start (under a minute more)",
+    ("README.md", "make run"): INSTALLS + "; then trains the whole quick-start (one or two minutes more)",
     ("README.md", "python sample.py snapshot=snapshots/cpu-quickstart"): "needs `make run`'s snapshot",
     ("README.md", "python3 -m venv .venv"): INSTALLS,
     ("README.md", "pip install -r requirements-without-torch.txt"): INSTALLS,
@@ -42,7 +42,7 @@ SKIPPED = {
     ("README.md", "# on 4 GPUs, then on 8"): NEEDS_GPU,
     ("docs/parallelism.md", "# one 8-GPU node"): NEEDS_GPU + "; " + SEVERAL_MACHINES,
     ("docs/cpu.md", "torchrun --standalone --nproc_per_node=2 main.py preset=cpu trainer_config.snapshot_path="):
-        "the whole 2,200-step quick-start, on two processes (one process alone trains for under a minute)",
+        "the whole 2,200-step quick-start, on two processes (one process alone trains for one or two minutes)",
     ("docs/data.md", "python prepare.py data_config.path='/data/books/*.txt'"): YOUR_DATA + "; " + NEEDS_GPU,
     ("docs/fsdp.md", "torchrun --standalone --nproc_per_node=4"): NEEDS_GPU,
     ("docs/gpu.md", "torchrun --standalone --nproc_per_node=4 main.py"): NEEDS_GPU,
