@@ -25,8 +25,11 @@ KNOBS = ("GPU_CHECK_ALLOW_CPU", "FORCE", "BENCH_ARGS", "TRAIN_ARGS", "BUDGET_S",
          "TRAIN_STEPS", "EVAL_EVERY", "VAL_BOUND", "FEATURE_STEPS", "TARGET", "TORCH_COMPILE_OVERRIDE_BACKENDS",
          "TORCH_LOGS", "PYTHONPATH")
 TINY = "gpt_config.n_layer=1 gpt_config.n_head=2 gpt_config.n_embd=32"
-# The header's dry run, smaller still: 1 block of width 32, a 5% slice of the text, 100 steps of (b), 30 of each
-# feature, a higher learning rate with a short warm-up so that so few steps lower the loss, one thread a process.
+# The header's dry run: 1 block of width 32 and 32-token windows (bench.py's too), a 5% slice of the text, 100 steps
+# of (b), 30 of each feature, a higher learning rate with a short warm-up so that so few steps lower the loss, one
+# thread a process. A given PEAK_TFLOPS (a CPU has no datasheet peak; a dry run's MFU means nothing) spares bench.py
+# the bf16 matmuls that measure one (~10 CPU-s where the CPU has no bf16 instructions), and the runs end without the
+# loss plot and sample that no check reads (a plotting process and ~1 CPU-s a run), as the other tests' runs do.
 DRY_RUN = {
     "GPU_CHECK_ALLOW_CPU": "1",
     "TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:aot_eager",  # dynamo without inductor's C++ compiling (~30 s a graph)
@@ -37,9 +40,11 @@ DRY_RUN = {
     "JOBS": "2",
     "BUDGET_S": "300",
     "OMP_NUM_THREADS": "1",
-    "BENCH_ARGS": f"{TINY} trainer_config.batch_size=4",
+    "PEAK_TFLOPS": "0.1",
+    "BENCH_ARGS": f"{TINY} trainer_config.batch_size=4 data_config.block_size=32",
     "TRAIN_ARGS": f"{TINY} trainer_config.batch_size=8 data_config.block_size=32 data_config.truncate=0.05 "
-                  "trainer_config.eval_batches=2 optimizer_config.learning_rate=3e-3 optimizer_config.warmup_steps=10",
+                  "trainer_config.eval_batches=2 optimizer_config.learning_rate=3e-3 optimizer_config.warmup_steps=10 "
+                  "trainer_config.report_at_end=false",
 }
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device here: the script would run for real")
@@ -141,6 +146,7 @@ def test_the_dry_run_runs_every_check_and_leaves_one_tarball_and_summary_json(tm
     assert {name: check["status"] for name, check in summary["checks"].items()} == expected
     assert summary["passed"] is True and summary["failed"] is None and summary["dry_run_on_cpu"] is True
     assert summary["bench"]["precision"] == "bfloat16" and summary["bench"]["compile"] is True
+    assert summary["bench"]["peak_source"] == "given"  # PEAK_TFLOPS reached bench.py: no measuring matmuls
     assert summary["train"]["steps"] == 100 and summary["train"]["best_val_loss"] < 3.3
     lines = {name: check["line"] for name, check in summary["checks"].items()}
     assert "stopped it at step" in lines["sigterm"] and "dynamo compiled" in lines["compile-ddp"]
