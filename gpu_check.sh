@@ -50,7 +50,7 @@
 # Knobs: BENCH_ARGS / TRAIN_ARGS add Hydra overrides (last: they win) to (a) / (b)-(j); PEAK_TFLOPS, MFU_FLOOR,
 # TARGET (the loss whose first step is reported, 1.4697), TRAIN_STEPS, EVAL_EVERY, VAL_BOUND, FEATURE_STEPS, JOBS,
 # BUDGET_S, FORCE, PYTHON.
-# A developer's dry run of the logic on a CPU, as tests/e2e/test_gpu_check.py runs it (~140 CPU-seconds, 2 AVX2 cores):
+# A developer's dry run of the logic on a CPU, as tests/e2e/test_gpu_check.py runs it (~110 CPU-s in CI, AVX2 EPYC):
 # GPU_CHECK_ALLOW_CPU=1 skips the CUDA gate and check (d); TORCH_COMPILE_OVERRIDE_BACKENDS='>=0:aot_eager' (torch's
 # own debugging switch, ignored on a GPU) keeps dynamo but skips inductor's half a minute of C++ compiling a graph;
 # PEAK_TFLOPS spares bench.py the matmuls that measure a CPU's peak; report_at_end=false, the plot and sample:
