@@ -28,10 +28,11 @@ largest RssAnon sampled so far, in MiB. Rounds alternate the strategies (ddp, fs
 each rank's median and range over the rounds, and the ratio of each strategy's largest rank to the first
 strategy's, per round (rounds paired in order) and of the medians.
 
-`--initial-weights` instead builds the trainer exactly as a run does (`main.build_trainer`) under torchrun for each
-strategy, and in one plain process (the whole model built whole: "one process's weights"), and compares the sha256
-of the whole model's weights before any step (the digest a run writes into summary.json at its end:
-`weights_sha256_of(parallel.whole_tensors())`, the tensors gathered one at a time, in canonical order).
+`--initial-weights` instead builds the trainer exactly as a run does (`main.build_trainer`) for each strategy in
+turn, in one torchrun launch (one process group), and in one plain process (the whole model built whole: "one
+process's weights"), and compares the sha256 of the whole model's weights before any step (the digest a run writes
+into summary.json at its end: `weights_sha256_of(parallel.whole_tensors())`, the tensors gathered one at a time, in
+canonical order).
 
 Only the standard library; Linux (/proc).
 """
@@ -320,25 +321,30 @@ def print_table(runs: list[dict], summary: dict, strategies: list[str]) -> None:
 
 
 # ------------------------------------------------------------------------------------------ initial weights
-def digest_worker(project_dir: Path, overrides: list[str]) -> None:
-    """Under torchrun (or alone): the trainer a run builds, and the digest of its whole weights before any step."""
+def digest_worker(project_dir: Path, strategies: list[str], overrides: list[str]) -> None:
+    """Under torchrun (or alone): for each strategy in turn, on one process group, the trainer a run builds and the
+    digest of its whole weights before any step; rank 0 prints one JSON line, {strategy: result}."""
     sys.path.insert(0, str(project_dir))
     import main
     from char_dataset import CharCorpus
     from mingpt.distributed import process_group as distributed
 
-    cfg = main.load_config(overrides)
-    corpus = CharCorpus.load(cfg.data_config, build=distributed.local_rank() == 0)
+    nproc = distributed.world_size()  # tp and pp span every process
+    configs = {name: main.load_config([*overrides, *strategy_overrides(name, nproc)]) for name in strategies}
+    corpus = CharCorpus.load(configs[strategies[0]].data_config, build=distributed.local_rank() == 0)  # one corpus
     ctx = distributed.setup_distributed()
+    results = {}
     try:
         distributed.configure_device(ctx.device)
-        result = initial_digest(main.build_trainer(cfg, corpus, ctx, run_dir=None, with_snapshots=False), ctx)
+        for name, cfg in configs.items():
+            results[name] = initial_digest(main.build_trainer(cfg, corpus, ctx, run_dir=None, with_snapshots=False),
+                                           ctx)
         if ctx.is_main:
-            print(json.dumps(result))
+            print(json.dumps(results))
     except BaseException:
         distributed.abandon_distributed()
         raise
-    distributed.leave_distributed()  # the trainer is garbage by now: its process groups go with the group's end
+    distributed.leave_distributed()  # the trainers are garbage by now: their process groups go with the group's end
 
 
 def initial_digest(trainer: Any, ctx: Any) -> dict:
@@ -354,19 +360,21 @@ def initial_digest(trainer: Any, ctx: Any) -> dict:
 
 
 def initial_weights(args: argparse.Namespace, strategies: list[str], overrides: list[str]) -> dict:
-    """Each strategy's digest before the first step, and one plain process's."""
+    """Each strategy's digest before the first step (all of them built in turn by one torchrun launch: the same
+    trainers a run of each builds, for one start-up instead of one each), and one plain process's."""
     base = [*model_overrides(args.model), "trainer_config.mixed_precision=fp32", *overrides]
     me = [str(Path(__file__).resolve()), "--digest-worker", "--project-dir", str(args.project_dir)]
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as folder:
-        runs = [("one process", [sys.executable, *me, *base, "parallel_config.strategy=ddp"])]
-        runs += [(s, [*torchrun(args.nproc), *me, *base, *strategy_overrides(s, args.nproc)]) for s in strategies]
-        for name, command in runs:
+        one_process = [sys.executable, *me, "--strategy", "ddp", *base]
+        each = [*torchrun(args.nproc), *me, "--strategy", ",".join(strategies), *base]
+        for what, command in (("one process", one_process), (", ".join(strategies), each)):
             done = subprocess.run(command, cwd=folder, env=env_for(Path(folder), args.env), capture_output=True,
                                   text=True, timeout=args.timeout)
             if done.returncode != 0:
-                raise RuntimeError(f"{name}: exit {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
-            results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+                raise RuntimeError(f"{what}: exit {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
+            found = json.loads(done.stdout.strip().splitlines()[-1])
+            results.update({"one process": found["ddp"]} if command is one_process else found)
     reference = results["one process"]["rank_digests"][0]
     for name, result in results.items():
         result["equals_one_process"] = set(result["rank_digests"]) == {reference}
@@ -377,10 +385,10 @@ def initial_weights(args: argparse.Namespace, strategies: list[str], overrides: 
 def cli(argv: list[str]) -> int:
     args, overrides = parse_args(argv)
     args.project_dir = args.project_dir.resolve()
-    if args.digest_worker:
-        digest_worker(args.project_dir, overrides)
-        return 0
     strategies = [s.strip() for s in args.strategy.split(",") if s.strip()]
+    if args.digest_worker:
+        digest_worker(args.project_dir, strategies, overrides)
+        return 0
     if bad := [item for item in args.env if "=" not in item]:
         raise SystemExit(f"error: --env takes KEY=VALUE, got {bad[0]!r}")
     for name in strategies:
