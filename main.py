@@ -12,11 +12,13 @@ parallel_config lays them out (with its optimizers) -> Trainer.fit().
 
 from __future__ import annotations
 
+from mingpt import startup
 from mingpt.distributed.orphans import exit_with_parent
 
 # Before the imports below: under torchrun, die with the agent (torch alone takes seconds to import, and the agent
-# may die meanwhile).
+# may die meanwhile); and import without the garbage collector walking what the imports make (mingpt/startup.py).
 exit_with_parent()
+startup.pause_collection(__name__)
 
 import dataclasses
 import functools
@@ -68,6 +70,7 @@ from model import GPT, GPTConfig
 from sample import generate_text, one_core_spared
 from trainer import Trainer, TrainerConfig, resolve_attention, resolve_precision
 
+startup.resume_collection(__name__)
 log = logging.getLogger("mingpt")
 
 

@@ -13,6 +13,10 @@ then encoding); the last line says what is in the cache and the throughput reach
 
 from __future__ import annotations
 
+from mingpt import startup
+
+startup.pause_collection(__name__)  # until its imports are done (mingpt/startup.py)
+
 import sys
 import time
 from typing import Callable, Optional
@@ -21,6 +25,8 @@ from char_dataset import CharCorpus
 from main import load_config
 from mingpt.errors import UsageError
 from mingpt.reporting.logs import setup_logging
+
+startup.resume_collection(__name__)
 
 
 def progress_bars() -> Optional[Callable[[str, int], Callable[[int], None]]]:

@@ -12,6 +12,10 @@ overrides of `sample_cfg.yaml`. The same seed gives the same text (on the same d
 
 from __future__ import annotations
 
+from mingpt import startup
+
+startup.pause_collection(__name__)  # until its imports are done (mingpt/startup.py)
+
 import contextlib
 import sys
 from dataclasses import dataclass
@@ -38,6 +42,8 @@ from mingpt.data.tokenizer import Tokenizer, snapshot_tokenizer, tokenizer_from_
 from mingpt.errors import UsageError
 from mingpt.storage.locations import resolve_path
 from model import GPT, GPTConfig
+
+startup.resume_collection(__name__)
 
 
 @dataclass

@@ -16,6 +16,10 @@ Exit code 2 and one line on stderr for a snapshot that cannot be read or a locat
 
 from __future__ import annotations
 
+from mingpt import startup
+
+startup.pause_collection(__name__)  # until its imports are done (mingpt/startup.py)
+
 import argparse
 import json
 import logging
@@ -26,6 +30,8 @@ from mingpt.checkpoint.store import SnapshotStore, best_snapshot_url, consolidat
 from mingpt.errors import CorruptSnapshot, UsageError, describe
 from mingpt.storage.locations import resolve_path
 from model import GPTConfig
+
+startup.resume_collection(__name__)
 
 
 def list_snapshots(location: str) -> list[dict]:

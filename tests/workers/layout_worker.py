@@ -26,6 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project's root
 
+from mingpt import startup
+
+startup.pause_collection(__name__)  # as a run's command does (mingpt/startup.py)
+
 import itertools
 import json
 import shutil
@@ -43,6 +47,8 @@ from mingpt.optim import OptimizerConfig
 from mingpt.parallel.layout import ParallelConfig
 from mingpt.parallel.state import weights_sha256_of
 from trainer import Trainer, TrainerConfig
+
+startup.resume_collection(__name__)
 
 BATCH = 4  # windows per data-parallel rank and micro-batch
 STEPS, SAVED = 6, 3

@@ -30,6 +30,10 @@ from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from mingpt import startup  # noqa: E402
+
+startup.pause_collection(__name__)  # as a run's command does (mingpt/startup.py)
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -46,6 +50,8 @@ from mingpt.parallel.pipeline import (  # noqa: E402
     model_state_dict,
 )
 from model import GPT, GPTConfig  # noqa: E402
+
+startup.resume_collection(__name__)
 
 BATCH, STEPS = 8, 5  # global batch (sequences); optimizer steps
 EVAL_AT = (0, 3)  # evaluate before these steps: before any training (a mode switch first), and mid-run

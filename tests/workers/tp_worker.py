@@ -27,6 +27,10 @@ from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from mingpt import startup  # noqa: E402
+
+startup.pause_collection(__name__)  # as a run's command does (mingpt/startup.py)
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -54,6 +58,8 @@ from mingpt.parallel.tensor_parallel import (  # noqa: E402
     to_canonical,
 )
 from model import GPT, GPTConfig  # noqa: E402
+
+startup.resume_collection(__name__)
 
 BATCH, STEPS = 4, 5
 MAX_NORM = 0.05  # below every step's gradient norm here (the result reports them): clipping engages each step
