@@ -69,6 +69,7 @@ SKIPPED = {
     ("benchmarks/bench_data.md", "python benchmarks/bench_data.py"): BENCHMARK + " (a 340 MB corpus)",
     ("benchmarks/bench_launch.md", "python benchmarks/bench_launch.py --only startup"): NANOGPT,
     ("benchmarks/bench_launch.md", "git clone https://github.com/karpathy/nanoGPT"): NANOGPT,
+    ("benchmarks/bench_launch.md", "# in a checkout before (ad40edd) and after (8144515)"): BENCHMARK,
     ("benchmarks/time_to_loss.md", "python benchmarks/time_to_loss.py --nanogpt"): NANOGPT,
     ("benchmarks/recipe.md", "python benchmarks/recipe.py"): BENCHMARK + " (a minute a run)",
     ("benchmarks/chaos.md", "python benchmarks/chaos.py --trials 20"): "minutes a trial: 10.5 minutes for these",
