@@ -305,7 +305,10 @@ def _strike(job: Job, attempt: Attempt, kill: Kill, restart: str, rng: random.Ra
     seen = lambda: len(attempt.train_rows()) >= threshold  # noqa: E731
     ended = lambda: not job.running()  # noqa: E731
     if kill.target == "startup":
-        time.sleep(rng.uniform(0.05, 0.9) * startup_s)
+        # A random moment of the reference's start-up, but no later than this attempt's first step: a start-up
+        # quicker than the reference's (measured while the machine was busier) let a whole 45-step job end first.
+        deadline = time.monotonic() + rng.uniform(0.05, 0.9) * startup_s
+        wait_until(lambda: time.monotonic() >= deadline or attempt.train_rows() or ended(), 600, interval=0.005)
     elif kill.target == "step":
         if not wait_until(lambda: seen() or ended(), 600) or ended():
             return False
