@@ -364,17 +364,17 @@ def initial_weights(args: argparse.Namespace, strategies: list[str], overrides: 
     trainers a run of each builds, for one start-up instead of one each), and one plain process's."""
     base = [*model_overrides(args.model), "trainer_config.mixed_precision=fp32", *overrides]
     me = [str(Path(__file__).resolve()), "--digest-worker", "--project-dir", str(args.project_dir)]
-    results = {}
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as folder:
-        one_process = [sys.executable, *me, "--strategy", "ddp", *base]
-        each = [*torchrun(args.nproc), *me, "--strategy", ",".join(strategies), *base]
-        for what, command in (("one process", one_process), (", ".join(strategies), each)):
+        def digests(what: str, command: list[str]) -> dict:  # the worker's {strategy: result}
             done = subprocess.run(command, cwd=folder, env=env_for(Path(folder), args.env), capture_output=True,
                                   text=True, timeout=args.timeout)
             if done.returncode != 0:
                 raise RuntimeError(f"{what}: exit {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
-            found = json.loads(done.stdout.strip().splitlines()[-1])
-            results.update({"one process": found["ddp"]} if command is one_process else found)
+            return json.loads(done.stdout.strip().splitlines()[-1])
+
+        one_process = digests("one process", [sys.executable, *me, "--strategy", "ddp", *base])["ddp"]
+        each = digests(", ".join(strategies), [*torchrun(args.nproc), *me, "--strategy", ",".join(strategies), *base])
+    results = {"one process": one_process, **each}
     reference = results["one process"]["rank_digests"][0]
     for name, result in results.items():
         result["equals_one_process"] = set(result["rank_digests"]) == {reference}
