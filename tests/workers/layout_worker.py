@@ -4,12 +4,12 @@ builds it, on one process group.
     torchrun --standalone --nproc_per_node=4 tests/workers/layout_worker.py OUT_DIR LAYOUT|CHECK [...]
 
 For each LAYOUT (a name in LAYOUTS: its parallel_config and strategy):
-1. equivalence: 6 optimizer steps (fp32, dropout 0, clipping engaged) end with the weights of one process trained on
+1. equivalence: 4 optimizer steps (fp32, dropout 0, clipping engaged) end with the weights of one process trained on
    the same global batches (reference.py, in every process, no group: the model, optimizers, learning-rate schedule
    and batches main.build_trainer makes for one process, stepped by the reference's own loop; one per data-parallel
    degree and optimizer, shared by the layouts that have them); the largest difference is reported;
-2. exact resume: the step-6 snapshot deleted, a new trainer resumes from step 3 and must end with the same digest;
-3. across layouts: the step-6 snapshot loaded by a trainer of the NEXT layout in the list (of those with the same
+2. exact resume: the step-4 snapshot deleted, a new trainer resumes from step 2 and must end with the same digest;
+3. across layouts: the step-4 snapshot loaded by a trainer of the NEXT layout in the list (of those with the same
    optimizer: names ending in "muon" train with Muon and AdamW, the others with AdamW) must hold the same
    weights (digest after restoring), and that trainer takes a step from it; read alone, as snapshot.py and sample.py
    read it, it has the same digest too.
@@ -51,7 +51,7 @@ from trainer import Trainer, TrainerConfig
 startup.resume_collection(__name__)
 
 BATCH = 4  # windows per data-parallel rank and micro-batch
-STEPS, SAVED = 6, 3
+STEPS, SAVED = 4, 2
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(300))
 # name: (strategy, parallel_config fields)
 LAYOUTS = {
@@ -76,8 +76,9 @@ LAYOUTS = {
     "tp_muon": ("ddp", {"tp": 2}),
     "pp_muon": ("ddp", {"pp": 2}),
 }
+# Every Muon setting in play: the momentum's warm-up ends within the run, and the resume from step 2 starts inside it.
 MUON = OptimizerConfig(name="muon", learning_rate=1e-2, warmup_steps=0, min_lr=1e-3, muon_learning_rate=0.05,
-                       muon_momentum_warmup_steps=4, muon_weight_decay=0.1)  # every Muon setting in play
+                       muon_momentum_warmup_steps=3, muon_weight_decay=0.1)
 ADAMW = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3)
 
 
@@ -186,7 +187,7 @@ def check(name: str, following: str, ctx: DistContext, out: Path) -> dict:
     expected = reference(trained.parallel.data_ranks, folder / f"reference-{ctx.rank}", name)
     differences = {key: (weights[key] - expected[key]).abs().max().item() for key in expected}
     dist.barrier()
-    if ctx.is_main:  # the run as if killed right after the step-3 snapshot
+    if ctx.is_main:  # the run as if killed right after the step-2 snapshot
         shutil.rmtree(folder / "snapshots" / f"snapshot-{STEPS:09d}.dcp", ignore_errors=True)
         (folder / "snapshots" / f"snapshot-{STEPS:09d}.pt").unlink(missing_ok=True)
     dist.barrier()
@@ -195,7 +196,7 @@ def check(name: str, following: str, ctx: DistContext, out: Path) -> dict:
     resume_exact = digest(resumed) == end
     newest = sorted((folder / "snapshots").iterdir())[-1]  # what snapshot.py info and consolidate read, alone
     tools_exact = summary(read_snapshot(str(newest)))["weights_sha256"] == end if ctx.is_main else True
-    loader = build(following, ctx, folder / "snapshots")  # its newest snapshot: the resumed run's step 6
+    loader = build(following, ctx, folder / "snapshots")  # its newest snapshot: the resumed run's step 4
     restored = loader.checkpoints.restore()
     cross_exact = restored is not None and loader.step == STEPS and digest(loader) == end
     loader.train_step()
