@@ -16,6 +16,7 @@ from support import (
     job_args,
     logged_step,
     muon_where_available,
+    rank_of,
     read_summary,
     run_case,
     run_cli,
@@ -109,8 +110,11 @@ def test_kill_during_a_save_leaves_a_loadable_snapshot(tmp_path):
         job = start_cli(args, tmp_path, nproc=2, log_name=f"attempt{attempt}.log")
         temporary = lambda: [n for n in os.listdir(snaps) if ".tmp-" in n] if snaps.exists() else []  # noqa: E731
         wait_for(lambda: logged_step(run_dir) >= 5 * (attempt + 1), timeout=120, what="some steps")
+        # The workers found before the save, rank 0 (the writer) first: a search of /proc between seeing the save
+        # and the kill (milliseconds on a busy machine) let most saves finish first, and cost attempts.
+        workers = sorted(children(job.pid), key=lambda pid: rank_of(pid) != 0)
         wait_for(temporary, timeout=60, interval=0.001, what="a save in progress")
-        for pid in children(job.pid):
+        for pid in workers:
             os.kill(pid, signal.SIGKILL)
         job.wait(timeout=60)
         if temporary():
