@@ -111,7 +111,8 @@ def test_kill_during_a_save_leaves_a_loadable_snapshot(tmp_path):
         temporary = lambda: [n for n in os.listdir(snaps) if ".tmp-" in n] if snaps.exists() else []  # noqa: E731
         wait_for(lambda: logged_step(run_dir) >= 5 * (attempt + 1), timeout=120, what="some steps")
         # The workers found before the save, rank 0 (the writer) first: a search of /proc between seeing the save
-        # and the kill (milliseconds on a busy machine) let most saves finish first, and cost attempts.
+        # and the kill (milliseconds on a busy machine) let the save finish first now and then (3 attempts, each a
+        # 2-process launch, in one CI run).
         workers = sorted(children(job.pid), key=lambda pid: rank_of(pid) != 0)
         wait_for(temporary, timeout=60, interval=0.001, what="a save in progress")
         for pid in workers:
