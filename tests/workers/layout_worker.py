@@ -76,10 +76,16 @@ LAYOUTS = {
     "tp_muon": ("ddp", {"tp": 2}),
     "pp_muon": ("ddp", {"pp": 2}),
 }
-# Every Muon setting in play: the momentum's warm-up ends within the run, and the resume from step 2 starts inside it.
-MUON = OptimizerConfig(name="muon", learning_rate=1e-2, warmup_steps=0, min_lr=1e-3, muon_learning_rate=0.05,
-                       muon_momentum_warmup_steps=3, muon_weight_decay=0.1)
-ADAMW = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr=1e-3)
+# AdamW with an epsilon far above sqrt(v) (gradients are clipped to a norm of 0.3: no entry reaches 1): each update is
+# ~lr * m, momentum SGD's, and not m / sqrt(v), whose division by the gradient's own size moves a weight whose
+# gradient is at rounding level by up to a whole learning rate either way (the fp32 sums of another layout, or
+# another CPU's kernels, flip its sign): the comparison with one process reads what the layout computes. Its state
+# (m and v, sharded as the layout shards), groups and weight decay are AdamW's, saved and resumed as in any run.
+ADAMW = OptimizerConfig(learning_rate=1.0, eps=1.0, warmup_steps=0, min_lr=0.1, weight_decay=0.01)
+# Every Muon setting in play: the momentum's warm-up ends within the run, and the resume from step 2 starts inside it;
+# its AdamW part (embeddings, head, norms) as ADAMW.
+MUON = OptimizerConfig(name="muon", learning_rate=1.0, eps=1.0, warmup_steps=0, min_lr=0.1, weight_decay=0.01,
+                       muon_learning_rate=0.05, muon_momentum_warmup_steps=3, muon_weight_decay=0.1)
 
 
 POISONED_STEP = 2  # nonfinite_skip: the step whose gradient one rank sees as NaN
