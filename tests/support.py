@@ -75,10 +75,11 @@ def corpus_text(lines: int) -> str:
 
 
 def make_trainer(run_dir: Path | None = None, *, snapshots: Path | str | None = None, strategy: str = "ddp",
-                 dropout: float = 0.0, n_layer: int = 1, lines: int = 400, learning_rate: float = 1e-2, **settings):
+                 dropout: float = 0.0, n_layer: int = 1, lines: int = 400, learning_rate: float = 1e-2,
+                 eps: float = 1e-8, **settings):
     """A Trainer in this process (no torchrun), built by main.build_trainer as a training run builds it: a GPT of
     `n_layer` blocks of width 16 over `lines` lines of corpus_text (block_size 16), AdamW at `learning_rate` (1e-2)
-    without warm-up,
+    with epsilon `eps` and without warm-up,
     fp32 and a log line every 5 steps unless `settings` (TrainerConfig's fields, or ParallelConfig's: compile,
     activation_checkpointing) say otherwise; its snapshots in `snapshots` (a folder or URL; None: none), its metrics
     in `run_dir` (None: none)."""
@@ -99,7 +100,7 @@ def make_trainer(run_dir: Path | None = None, *, snapshots: Path | str | None = 
         trainer["snapshot_path"] = str(snapshots)
     data = DataConfig(block_size=16)
     cfg = main.TrainConfig(data, main.ModelSettings(n_layer=n_layer, n_head=2, n_embd=16, dropout=dropout),
-                           OptimizerConfig(learning_rate=learning_rate, warmup_steps=0,
+                           OptimizerConfig(learning_rate=learning_rate, eps=eps, warmup_steps=0,
                                            min_lr=min(1e-3, learning_rate)), TrainerConfig(**trainer),
                            parallel)
     corpus = CharCorpus.from_text(corpus_text(lines), data)
