@@ -291,6 +291,12 @@ def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "con
     return value
 
 
+def resumes(log: str) -> list[tuple[int, int, int]]:
+    """(step, epoch, sample of the epoch) of each resume a run's output reports (Trainer's "resumed from ..." line)."""
+    return [(int(step), int(epoch), int(sample))
+            for step, epoch, sample in re.findall(r"resumed from \S+: step (\d+), epoch (\d+), sample (\d+)", log)]
+
+
 def logged_step(run_dir: Path) -> int:
     """Highest training step in metrics.jsonl so far (0 if none)."""
     return max((row["step"] for row in read_metrics(run_dir) if "train_loss" in row), default=0)

@@ -20,6 +20,7 @@ from support import (
     kill_all,
     logged_step,
     read_summary,
+    resumes,
     subprocess_env,
     wait_for,
 )
@@ -84,8 +85,7 @@ def test_a_node_leaves_and_rejoins_with_the_exact_sample_position(tmp_path):
     text = train_log()
     worlds = [int(n) for n in re.findall(r"training: steps .*?, (\d+) process\(es\)", text)]
     assert worlds == [2, 1, 2], text  # (a first [1, ...]: b came after the first round's last call)
-    resumes = [tuple(map(int, m)) for m in re.findall(r"resumed from \S+: step (\d+), epoch (\d+), sample (\d+)", text)]
-    (s1, e1, n1), (s2, e2, n2) = resumes
+    (s1, e1, n1), (s2, e2, n2) = resumes(text)
     assert e1 == e2 == 0
     assert n1 == 2 * BATCH * s1  # steps 1..s1 with 2 nodes
     assert n2 == n1 + BATCH * (s2 - s1)  # steps s1+1..s2 with 1 node
@@ -104,11 +104,11 @@ def rows_since_resume(run_dir, train_log: str) -> list[int]:
     from the last row of the step after the resumed one. Not where the step goes back: a node lost just after a
     snapshot leaves no row past it, and the resumed run's first row follows the last one (seen: resumed at step 8,
     rows 1-8 then 9-40, and the wait below timed out)."""
-    resumes = re.findall(r"resumed from \S+: step (\d+),", train_log)
-    if len(resumes) != 1:
+    resumed = resumes(train_log)
+    if len(resumed) != 1:
         return []
     steps = [row["step"] for row in read_metrics(run_dir) if "train_loss" in row]
-    first = [i for i, step in enumerate(steps) if step == int(resumes[0]) + 1]
+    first = [i for i, step in enumerate(steps) if step == resumed[0][0] + 1]
     return steps[first[-1] :] if first else []
 
 

@@ -2,7 +2,6 @@
 damaged and foreign snapshots, SIGTERM."""
 
 import os
-import re
 import signal
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from support import (
     muon_where_available,
     rank_of,
     read_summary,
+    resumes,
     run_case,
     run_cli,
     start_cli,
@@ -67,8 +67,8 @@ def test_sigkilled_worker_resumes_bit_for_bit(tmp_path):
     log = killed.output
     assert log.count("data: encoding") == 1 and log.count("of 4 files of") == 2  # built once, found at the restart
     assert (", bfloat16, " in log) == cpu_has_native_bf16()
-    resumed_at = [int(step) for step in re.findall(r"resumed from \S+: step (\d+),", log)]
-    assert resumed_at and resumed_at[0] < 100, log[-3000:]  # the restart trained what the kill left
+    resumed = resumes(log)
+    assert resumed and resumed[0][0] < 100, log[-3000:]  # the restart trained what the kill left
     rows_a, rows_b = read_metrics(killed.reference), read_metrics(tmp_path / "run")
     for key in ("train_loss", "val_loss", "lr"):
         a, b = rows_by_step(rows_a, key), rows_by_step(rows_b, key)
