@@ -30,6 +30,7 @@ from mingpt import startup
 
 startup.pause_collection(__name__)  # as a run's command does (mingpt/startup.py)
 
+import dataclasses
 import itertools
 import json
 import shutil
@@ -83,9 +84,9 @@ LAYOUTS = {
 # (m and v, sharded as the layout shards), groups and weight decay are AdamW's, saved and resumed as in any run.
 ADAMW = OptimizerConfig(learning_rate=1.0, eps=1.0, warmup_steps=0, min_lr=0.1, weight_decay=0.01)
 # Every Muon setting in play: the momentum's warm-up ends within the run, and the resume from step 2 starts inside it;
-# its AdamW part (embeddings, head, norms) as ADAMW.
-MUON = OptimizerConfig(name="muon", learning_rate=1.0, eps=1.0, warmup_steps=0, min_lr=0.1, weight_decay=0.01,
-                       muon_learning_rate=0.05, muon_momentum_warmup_steps=3, muon_weight_decay=0.1)
+# its AdamW part (embeddings, head, norms) is ADAMW.
+MUON = dataclasses.replace(ADAMW, name="muon", muon_learning_rate=0.05, muon_momentum_warmup_steps=3,
+                           muon_weight_decay=0.1)
 
 
 POISONED_STEP = 2  # nonfinite_skip: the step whose gradient one rank sees as NaN
