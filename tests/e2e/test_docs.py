@@ -73,6 +73,7 @@ SKIPPED = {
     ("benchmarks/time_to_loss.md", "python benchmarks/time_to_loss.py --nanogpt"): NANOGPT,
     ("benchmarks/recipe.md", "python benchmarks/recipe.py"): BENCHMARK + " (a minute a run)",
     ("benchmarks/chaos.md", "python benchmarks/chaos.py --trials 20"): "minutes a trial: 10.5 minutes for these",
+    ("benchmarks/ci.md", "git clone -q . /tmp/ci"): "the whole of CI: 20 minutes or more, and 13 GB of disk",
 }
 
 # (document, the start of its block's first line): the documents whose blocks run each of its commands, as written.
