@@ -50,15 +50,19 @@
 # Knobs: BENCH_ARGS / TRAIN_ARGS add Hydra overrides (last: they win) to (a) / (b)-(j); PEAK_TFLOPS, MFU_FLOOR,
 # TARGET (the loss whose first step is reported, 1.4697), TRAIN_STEPS, EVAL_EVERY, VAL_BOUND, FEATURE_STEPS, JOBS,
 # BUDGET_S, FORCE, PYTHON.
-# A developer's dry run of the logic on a CPU, as tests/e2e/test_gpu_check.py runs it (~110 CPU-s in CI, AVX2 EPYC):
-# GPU_CHECK_ALLOW_CPU=1 skips the CUDA gate and check (d); TORCH_COMPILE_OVERRIDE_BACKENDS='>=0:aot_eager' (torch's
-# own debugging switch, ignored on a GPU) keeps dynamo but skips inductor's half a minute of C++ compiling a graph;
-# PEAK_TFLOPS spares bench.py the matmuls that measure a CPU's peak; report_at_end=false, the plot and sample:
+# A developer's dry run of the logic on a CPU: the command below, which tests/e2e/test_gpu_check.py reads and runs
+# (~100 CPU-s in CI, AVX2 EPYC). GPU_CHECK_ALLOW_CPU=1 skips the CUDA gate and check (d);
+# TORCH_COMPILE_OVERRIDE_BACKENDS='>=0:aot_eager' (torch's own debugging switch, ignored on a GPU) keeps dynamo but
+# skips inductor's half a minute of C++ compiling a graph; 1 block of width 32 and 32-token windows (bench.py's too),
+# a 5% slice of the text, 100 steps of (b), 30 of each feature, a higher learning rate with a short warm-up so that
+# so few steps lower the loss, one thread a process; PEAK_TFLOPS spares bench.py the bf16 matmuls that measure a
+# CPU's peak (~10 CPU-s where the CPU has no bf16 instructions; a dry run's MFU means nothing); report_at_end=false,
+# the loss plot and sample that no check reads:
 #   GPU_CHECK_ALLOW_CPU=1 TORCH_COMPILE_OVERRIDE_BACKENDS='>=0:aot_eager' TRAIN_STEPS=100 EVAL_EVERY=50 \
-#   VAL_BOUND=3.3 FEATURE_STEPS=30 OMP_NUM_THREADS=1 PEAK_TFLOPS=0.1 PYTHON=.venv/bin/python \
-#   BENCH_ARGS="gpt_config.n_layer=1 gpt_config.n_head=2 gpt_config.n_embd=32 trainer_config.batch_size=4
-#   data_config.block_size=32" TRAIN_ARGS="gpt_config.n_layer=1 gpt_config.n_head=2 gpt_config.n_embd=32
-#   trainer_config.batch_size=8 data_config.block_size=32 data_config.truncate=0.05 trainer_config.eval_batches=2
+#   VAL_BOUND=3.3 FEATURE_STEPS=30 JOBS=2 BUDGET_S=300 OMP_NUM_THREADS=1 PEAK_TFLOPS=0.1 PYTHON=.venv/bin/python \
+#   BENCH_ARGS="gpt_config.n_layer=1 gpt_config.n_head=2 gpt_config.n_embd=32 trainer_config.batch_size=4 \
+#   data_config.block_size=32" TRAIN_ARGS="gpt_config.n_layer=1 gpt_config.n_head=2 gpt_config.n_embd=32 \
+#   trainer_config.batch_size=8 data_config.block_size=32 data_config.truncate=0.05 trainer_config.eval_batches=2 \
 #   optimizer_config.learning_rate=3e-3 optimizer_config.warmup_steps=10 trainer_config.report_at_end=false" \
 #   bash gpu_check.sh /tmp/gpu_check_dry
 set -euo pipefail

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -24,28 +25,29 @@ WHEELS = PROJECT_DIR / ".gpu-wheels"
 KNOBS = ("GPU_CHECK_ALLOW_CPU", "FORCE", "BENCH_ARGS", "TRAIN_ARGS", "BUDGET_S", "MFU_FLOOR", "PEAK_TFLOPS", "JOBS",
          "TRAIN_STEPS", "EVAL_EVERY", "VAL_BOUND", "FEATURE_STEPS", "TARGET", "TORCH_COMPILE_OVERRIDE_BACKENDS",
          "TORCH_LOGS", "PYTHONPATH")
-TINY = "gpt_config.n_layer=1 gpt_config.n_head=2 gpt_config.n_embd=32"
-# The header's dry run: 1 block of width 32 and 32-token windows (bench.py's too), a 5% slice of the text, 100 steps
-# of (b), 30 of each feature, a higher learning rate with a short warm-up so that so few steps lower the loss, one
-# thread a process. A given PEAK_TFLOPS (a CPU has no datasheet peak; a dry run's MFU means nothing) spares bench.py
-# the bf16 matmuls that measure one (~10 CPU-s where the CPU has no bf16 instructions), and the runs end without the
-# loss plot and sample that no check reads (a plotting process and ~1 CPU-s a run), as the other tests' runs do.
-DRY_RUN = {
-    "GPU_CHECK_ALLOW_CPU": "1",
-    "TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:aot_eager",  # dynamo without inductor's C++ compiling (~30 s a graph)
-    "TRAIN_STEPS": "100",
-    "EVAL_EVERY": "50",
-    "VAL_BOUND": "3.3",
-    "FEATURE_STEPS": "30",
-    "JOBS": "2",
-    "BUDGET_S": "300",
-    "OMP_NUM_THREADS": "1",
-    "PEAK_TFLOPS": "0.1",
-    "BENCH_ARGS": f"{TINY} trainer_config.batch_size=4 data_config.block_size=32",
-    "TRAIN_ARGS": f"{TINY} trainer_config.batch_size=8 data_config.block_size=32 data_config.truncate=0.05 "
-                  "trainer_config.eval_batches=2 optimizer_config.learning_rate=3e-3 optimizer_config.warmup_steps=10 "
-                  "trainer_config.report_at_end=false",
-}
+
+
+def header_dry_run() -> dict[str, str]:
+    """The environment of the developer's dry run whose command gpu_check.sh's header gives (`KEY=VALUE ... bash
+    gpu_check.sh OUT`, its settings explained there): the run this file's main test makes, written in one place.
+    PYTHON is left to run_script (this interpreter)."""
+    lines = SCRIPT.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# A developer's dry run"))
+    command = []
+    for line in lines[start + 1:]:
+        if not line.startswith("#   "):
+            continue
+        command.append(line.removeprefix("#").strip().removesuffix("\\").strip())
+        if "bash gpu_check.sh" in line:
+            break
+    words = shlex.split(" ".join(command))
+    settings = dict(word.split("=", 1) for word in words[:words.index("bash")])
+    assert settings.get("GPU_CHECK_ALLOW_CPU") == "1", f"no dry-run command in gpu_check.sh's header: {words}"
+    settings.pop("PYTHON", None)
+    return settings
+
+
+DRY_RUN = header_dry_run()
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device here: the script would run for real")
 
