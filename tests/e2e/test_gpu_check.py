@@ -32,17 +32,19 @@ def header_dry_run() -> dict[str, str]:
     gpu_check.sh OUT`, its settings explained there): the run this file's main test makes, written in one place.
     PYTHON is left to run_script (this interpreter)."""
     lines = SCRIPT.read_text(encoding="utf-8").splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("# A developer's dry run"))
+    starts = [i for i, line in enumerate(lines) if line.startswith("# A developer's dry run")]
     command = []
-    for line in lines[start + 1:]:
+    for line in lines[starts[0] + 1:] if starts else []:
         if not line.startswith("#   "):
             continue
         command.append(line.removeprefix("#").strip().removesuffix("\\").strip())
         if "bash gpu_check.sh" in line:
             break
     words = shlex.split(" ".join(command))
-    settings = dict(word.split("=", 1) for word in words[:words.index("bash")])
-    assert settings.get("GPU_CHECK_ALLOW_CPU") == "1", f"no dry-run command in gpu_check.sh's header: {words}"
+    settings = dict(word.split("=", 1) for word in words[:words.index("bash")] if "=" in word) \
+        if "bash" in words else {}
+    assert settings.get("GPU_CHECK_ALLOW_CPU") == "1", \
+        "gpu_check.sh's header gives no dry-run command (# A developer's dry run ... bash gpu_check.sh OUT)"
     settings.pop("PYTHON", None)
     return settings
 
