@@ -6,6 +6,7 @@ with the failure in both; the committed wheels are requirements.txt's pins, pure
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -40,9 +41,8 @@ def header_dry_run() -> dict[str, str]:
         command.append(line.removeprefix("#").strip().removesuffix("\\").strip())
         if "bash gpu_check.sh" in line:
             break
-    words = shlex.split(" ".join(command))
-    settings = dict(word.split("=", 1) for word in words[:words.index("bash")] if "=" in word) \
-        if "bash" in words else {}
+    assignments = itertools.takewhile(lambda word: "=" in word, shlex.split(" ".join(command)))  # up to `bash`
+    settings = dict(word.split("=", 1) for word in assignments)
     assert settings.get("GPU_CHECK_ALLOW_CPU") == "1", \
         "gpu_check.sh's header gives no dry-run command (# A developer's dry run ... bash gpu_check.sh OUT)"
     settings.pop("PYTHON", None)

@@ -26,6 +26,7 @@ from support import (
     cli,
     free_port,
     job_args,
+    resumes,
     run_case,
     subprocess_env,
 )
@@ -130,7 +131,7 @@ def test_a_killed_resumed_and_rerun_job_is_one_tracked_run_with_each_row_once(tm
     output = run_case(Case("trackers", tuple(tracked_args("{d}", "{d}/run_a", max_steps=50)), nproc=2,
                            fault=Fault(at_step=25, victim="rank0"), env=lambda d: {"WANDB_ERROR_REPORTING": "false"},
                            expect=("resumed from",)), tmp_path).output
-    resumed = int(re.search(r"resumed from \S+: step (\d+)", output).group(1))
+    resumed = resumes(output)[0][0]
     continued = dict(re.findall(r"tracking: (MLflow|W&B) run .* continuing after step (\d+)", output))
     assert set(continued) == {"MLflow", "W&B"}, output[-3000:]
     assert min(int(step) for step in continued.values()) > resumed  # the killed attempt logged rows past its snapshot
